@@ -1,0 +1,1 @@
+"""Pure tensor math (no Ray, torch.distributed, DeepSpeed or vLLM imports)."""

@@ -1,0 +1,61 @@
+"""Starting (or joining) the job's Ray and the environment its workers inherit."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from elasticrl.spec.schema import RaySpec
+
+log = logging.getLogger(__name__)
+
+
+def worker_env() -> dict[str, str]:
+    """Variables every worker needs whatever launched the driver."""
+    venv_bin = str(Path(sys.executable).parent)
+    env = {
+        # DeepSpeed JIT-builds its CPU shared-memory all-reduce once; keep the build with the
+        # venv and its ninja first on PATH, or every run rebuilds it (~60 s).
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
+        "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        # torch warns on every gloo all-gather that DeepSpeed issues; nothing a user can act on.
+        "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger",
+    }
+    for key in ("ELASTICRL_CACHE", "ELASTICRL_FORCE_CPU", "HF_HUB_OFFLINE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+@contextlib.contextmanager
+def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
+    """A private local Ray (own temp dir, no dashboard) or a connection to ``spec.address``."""
+    import ray
+
+    if ray.is_initialized():  # launched inside an existing driver (e.g. by `elasticrl launch`)
+        yield
+        return
+    env = worker_env()
+    os.environ.update(env)  # the local raylet and its workers inherit the driver's env
+    temp_dir = None
+    if spec.address == "local":
+        # Short path: Ray's socket names must fit in 107 bytes.
+        temp_dir = tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")
+        num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
+        ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, num_cpus=num_cpus,
+                 logging_level=logging.WARNING, log_to_driver=True,
+                 runtime_env={"env_vars": env})
+    else:
+        ray.init(address=spec.address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)

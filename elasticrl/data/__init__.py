@@ -1,0 +1,1 @@
+"""Datasets: JSON-lines records, chat formatting, tokenised batches, deterministic order."""

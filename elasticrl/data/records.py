@@ -1,0 +1,89 @@
+"""Reading JSON-lines data, formatting prompts, and a resumable sample order.
+
+The order of samples is a pure function of (seed, global sample index): step ``s`` of a
+run with global batch ``B`` reads samples ``s*B .. s*B+B-1`` of an endless stream of
+seeded epoch permutations. A resumed run (at any world size) therefore continues exactly
+where it stopped, with nothing but the step number saved.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
+    records = []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            missing = [k for k in required if k not in rec]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; set data.*_key in the "
+                                 f"spec to the names your file uses (it has {sorted(rec)})")
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+def format_prompt(tokenizer, prompt: str, apply_chat_template: bool) -> str:
+    if apply_chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def tokenize_sft(tokenizer, prompt: str, response: str, apply_chat_template: bool,
+                 max_length: int) -> tuple[list[int], int]:
+    """Token ids of prompt+response+eos and how many leading ids belong to the prompt."""
+    prompt_text = format_prompt(tokenizer, prompt, apply_chat_template)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = (prompt_ids + response_ids)[:max_length]
+    return ids, min(len(prompt_ids), len(ids))
+
+
+def sample_indices(num_records: int, seed: int, start: int, count: int) -> list[int]:
+    """Global sample positions [start, start+count) mapped to record indices."""
+    out = []
+    for pos in range(start, start + count):
+        epoch, offset = divmod(pos, num_records)
+        perm = _epoch_permutation(num_records, seed, epoch)
+        out.append(int(perm[offset]))
+    return out
+
+
+_perm_cache: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    key = (n, seed, epoch)
+    if key not in _perm_cache:
+        if len(_perm_cache) > 4:
+            _perm_cache.clear()
+        _perm_cache[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return _perm_cache[key]
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, prompt_lens: list[int] | None = None):
+    """Right-padded ``input_ids``, ``attention_mask`` and loss ``labels`` (-100 = no loss).
+
+    Labels mask the prompt and the padding, so the loss covers only response tokens.
+    """
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention_mask[i, : len(s)] = 1
+        start = prompt_lens[i] if prompt_lens else 0
+        labels[i, start: len(s)] = torch.tensor(s[start:])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,41 @@
+"""Greedy answers to held-out prompts with the training model (SFT-time evaluation).
+
+Every rank decodes its share; all ranks run the same number of ``generate`` calls, because
+a ZeRO-3 or AutoTP forward is a collective.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from elasticrl.data.records import format_prompt
+from elasticrl.world.task import is_correct
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, records: list[dict], *, prompt_key: str, answer_key: str,
+                    apply_chat_template: bool, max_new_tokens: int, dp_rank: int, dp_size: int,
+                    synced: bool, device, batch_size: int = 64) -> tuple[int, int]:
+    """(correct, total) over this rank's share of ``records``."""
+    mine = records[dp_rank::dp_size]
+    per_rank = math.ceil(len(records) / dp_size)
+    num_batches = math.ceil(per_rank / batch_size)
+    correct = total = 0
+    was_training = model.training
+    model.eval()
+    for b in range(num_batches):
+        batch = mine[b * batch_size:(b + 1) * batch_size]
+        real = len(batch)
+        if not batch:  # keep the collective count equal across ranks
+            batch = records[:1]
+        texts = [format_prompt(tokenizer, r[prompt_key], apply_chat_template) for r in batch]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for rec, ans in zip(batch[:real], answers[:real]):
+            correct += is_correct(ans, rec[answer_key])
+            total += 1
+    model.train(was_training)
+    return correct, total

@@ -1,0 +1,131 @@
+"""The job spec: one typed tree, every field with a default and a one-line doc.
+
+The docs live next to the fields (``doc(...)``) so that ``elasticrl spec --help`` and the
+README's reference are generated from the same place the loader validates against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+def doc(text: str, default=None, *, factory=None, min=None, max=None, exclusive_min=False):
+    """A dataclass field carrying its documentation and numeric bounds."""
+    meta = {"doc": text, "min": min, "max": max, "exclusive_min": exclusive_min}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class WorldSpec:
+    """The embedded tiny world: model, tokenizer and data the project builds itself."""
+
+    task: Literal["arithmetic"] = doc("Toy task the synthetic data teaches.", "arithmetic")
+    model_size: Literal["0.5m", "2m", "8m", "20m", "50m"] = doc(
+        "Preset size of the tiny Llama (parameters).", "2m")
+    max_operand: int = doc("Largest operand of the arithmetic problems.", 30, min=1, max=999)
+    operators: str = doc("Operators drawn for problems, a subset of '+-*'.", "+-")
+    num_train: int = doc("Number of training problems generated.", 20000, min=1)
+    num_eval: int = doc("Number of held-out evaluation problems generated.", 256, min=1)
+    seed: int = doc("Seed of the world: same seed, same bytes on every machine.", 0)
+
+
+@dataclass
+class ModelSpec:
+    path: Optional[str] = doc(
+        "Hugging Face model folder to start from; null uses the embedded tiny model.", None)
+    dtype: Literal["auto", "bf16", "fp32"] = doc(
+        "Training precision; 'auto' picks bf16 on GPUs and on CPUs with AVX512-BF16/AMX, fp32 "
+        "elsewhere (CPU bf16 without them is ~50x slower than fp32).", "auto")
+    trust_remote_code: bool = doc(
+        "Let transformers run code shipped with the model. Off unless you trust its source.", False)
+    gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+
+
+@dataclass
+class DataSpec:
+    train: Optional[str] = doc(
+        "JSON-lines file of training examples; null uses the embedded tiny world's data.", None)
+    eval: Optional[str] = doc(
+        "JSON-lines file of held-out prompts with answers; null uses the embedded ones.", None)
+    prompt_key: str = doc("Key of the prompt in each JSON line.", "prompt")
+    response_key: str = doc("Key of the target response in each JSON line (SFT).", "response")
+    answer_key: str = doc("Key of the reference answer in eval lines.", "answer")
+    apply_chat_template: bool = doc("Wrap prompts in the tokenizer's chat template.", True)
+    max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
+
+
+@dataclass
+class TrainSpec:
+    num_ranks: int = doc("Data-parallel training ranks (Ray actors, one per GPU on GPUs).", 2, min=1)
+    micro_batch_size: int = doc("Examples per rank per forward/backward.", 16, min=1)
+    global_batch_size: int = doc(
+        "Examples per optimizer step over all ranks; must be a multiple of "
+        "micro_batch_size * num_ranks / tp_size (the rest is gradient accumulation).", 64, min=1)
+    max_steps: int = doc("Optimizer steps to run; 0 derives it from num_epochs.", 0, min=0)
+    num_epochs: float = doc("Passes over the training data when max_steps is 0.", 1.0,
+                            min=0, exclusive_min=True)
+    lr: float = doc("Peak learning rate.", 1e-3, min=0, exclusive_min=True)
+    min_lr_ratio: float = doc("Cosine decay ends at lr * min_lr_ratio.", 0.1, min=0, max=1)
+    warmup_ratio: float = doc("Fraction of steps spent in linear warm-up.", 0.03, min=0, max=1)
+    weight_decay: float = doc("AdamW weight decay.", 0.0, min=0)
+    adam_betas: tuple[float, float] = doc("AdamW betas.", factory=lambda: (0.9, 0.95))
+    grad_clip: float = doc("Clip the global gradient norm to this; 0 disables.", 1.0, min=0)
+    zero_stage: Literal[0, 1, 2, 3] = doc("DeepSpeed ZeRO stage.", 2)
+    offload_optimizer: bool = doc("Keep optimizer states in CPU memory (ZeRO 1-3).", False)
+    offload_params: bool = doc("Keep parameters in CPU memory (ZeRO 3 only).", False)
+    tp_size: int = doc("DeepSpeed AutoTP tensor-parallel size (divides num_ranks).", 1, min=1)
+    comm_timeout_s: int = doc("Seconds a collective may wait before the run fails.", 600, min=1)
+
+
+@dataclass
+class EvalSpec:
+    every_steps: int = doc("Evaluate held-out prompts every N steps (and at the end); 0 only at the end.",
+                           100, min=0)
+    num_prompts: int = doc("Held-out prompts per evaluation (0 = all).", 256, min=0)
+    max_new_tokens: int = doc("Longest greedy answer generated at evaluation.", 8, min=1)
+
+
+@dataclass
+class LogSpec:
+    every_steps: int = doc("Write a metrics.jsonl line every N steps.", 10, min=1)
+    progress_bar: bool = doc("Show a progress bar on the console.", True)
+
+
+@dataclass
+class CheckpointSpec:
+    every_steps: int = doc("Save a resumable checkpoint every N steps; 0 disables.", 0, min=0)
+    keep: int = doc("How many recent checkpoints to keep.", 2, min=1)
+    resume: Optional[str] = doc(
+        "'auto' resumes from the newest checkpoint in the output folder, a path resumes from "
+        "that checkpoint, null starts fresh.", "auto")
+
+
+@dataclass
+class ExportSpec:
+    enabled: bool = doc("Write the final model as a Hugging Face folder (OUTPUT/final).", True)
+    max_shard_size_mb: int = doc("Largest safetensors shard, in MB.", 2000, min=1)
+
+
+@dataclass
+class RaySpec:
+    address: str = doc("'local' starts a private Ray; an address joins that cluster.", "local")
+    num_cpus: Optional[int] = doc("CPUs Ray may use for a local cluster; null = all.", None, min=1)
+
+
+@dataclass
+class JobSpec:
+    """One job: ``algorithm`` picks the trainer, the rest configures it."""
+
+    algorithm: Literal["sft"] = doc("Which trainer runs the job.", "sft")
+    seed: int = doc("Seed of model init, data order and sampling.", 1234)
+    world: WorldSpec = doc("The embedded tiny world.", factory=WorldSpec)
+    model: ModelSpec = doc("The model trained.", factory=ModelSpec)
+    data: DataSpec = doc("Training and evaluation data.", factory=DataSpec)
+    train: TrainSpec = doc("Optimisation and parallelism.", factory=TrainSpec)
+    eval: EvalSpec = doc("Held-out evaluation.", factory=EvalSpec)
+    log: LogSpec = doc("Metrics and console output.", factory=LogSpec)
+    checkpoint: CheckpointSpec = doc("Resumable checkpoints.", factory=CheckpointSpec)
+    export: ExportSpec = doc("Final Hugging Face export.", factory=ExportSpec)
+    ray: RaySpec = doc("Where the job's Ray runs.", factory=RaySpec)

@@ -1,0 +1,14 @@
+"""The training loops. ``run_job`` dispatches on ``spec.algorithm``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from elasticrl.spec.schema import JobSpec
+
+
+def run_job(spec: JobSpec, output: Path) -> dict:
+    if spec.algorithm == "sft":
+        from elasticrl.trainers.sft import run_sft
+
+        return run_sft(spec, output)
+    raise ValueError(f"algorithm: {spec.algorithm!r} has no trainer yet")

@@ -1,0 +1,80 @@
+"""What every trainer's driver does the same way: output folder, metrics, progress, resume."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from elasticrl.engine.checkpoint import list_checkpoints, read_trainer_state
+from elasticrl.spec import JobSpec, dump_spec
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per logged step, flushed as written."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is None:
+            path.unlink(missing_ok=True)
+        elif path.exists():  # drop lines past the checkpoint: the resumed run rewrites them
+            kept = [ln for ln in path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, path)
+        self.fh = open(path, "a")
+
+    def write(self, row: dict) -> None:
+        self.fh.write(json.dumps(row, sort_keys=False) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def prepare_output(spec: JobSpec, output: Path) -> Path:
+    output.mkdir(parents=True, exist_ok=True)
+    dump_spec(spec, output / "spec.yaml")
+    return output
+
+
+def find_resume(spec: JobSpec, output: Path) -> Path | None:
+    """The checkpoint to resume from, per ``checkpoint.resume``."""
+    choice = spec.checkpoint.resume
+    if choice is None:
+        return None
+    if choice == "auto":
+        found = list_checkpoints(output / "checkpoints")
+        return found[-1][1] if found else None
+    path = Path(choice)
+    try:
+        read_trainer_state(path)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint.resume: {path} is not a checkpoint folder (no trainer_state.json)") from None
+    return path
+
+
+def num_steps(max_steps: int, num_epochs: float, num_records: int, global_batch: int) -> int:
+    return max_steps or max(1, math.ceil(num_epochs * num_records / global_batch))
+
+
+class Progress:
+    """A tqdm bar with the latest figures, or plain lines when the console is not a terminal."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True,
+                        file=sys.stderr, mininterval=1.0)
+        self.start = time.time()
+
+    def update(self, **figures) -> None:
+        self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in figures.items()},
+                             refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,1 @@
+"""Moving weights: sharded safetensors on disk (and, later, transports into vLLM)."""

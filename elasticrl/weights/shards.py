@@ -1,0 +1,122 @@
+"""Hugging Face-style sharded safetensors: size-bounded shards plus an index, written atomically.
+
+Layout matches ``save_pretrained``: one ``model.safetensors`` when everything fits in one
+shard, else ``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``.
+Nothing here unpickles anything.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Group names into shards in order, each at most ``max_shard_bytes`` (a lone bigger tensor
+    gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return [s for s in shards if s]
+
+
+def save_sharded(state_dict: dict[str, torch.Tensor], folder: str | Path, max_shard_bytes: int) -> list[str]:
+    """Write tensors into ``folder`` (which must exist); return the file names written."""
+    folder = Path(folder)
+    sizes = [(k, v.numel() * v.element_size()) for k, v in state_dict.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    names = [SINGLE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, keys in zip(names, shards):
+        tensors = {k: state_dict[k].detach().to("cpu").contiguous() for k in keys}
+        _dedupe_storage(tensors)
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys})
+    if len(names) > 1:
+        index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        names.append(INDEX)
+    return names
+
+
+def _dedupe_storage(tensors: dict[str, torch.Tensor]) -> None:
+    # safetensors refuses tensors that share storage (tied weights): give each its own copy.
+    seen = set()
+    for k, v in tensors.items():
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if ptr in seen:
+            tensors[k] = v.clone()
+        seen.add(ptr)
+
+
+def shard_files(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        index = json.loads((folder / INDEX).read_text())
+        return [folder / f for f in sorted(set(index["weight_map"].values()))]
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    raise FileNotFoundError(f"{folder}: no {SINGLE} or {INDEX}; is this a Hugging Face model folder "
+                            "saved with safetensors?")
+
+
+def iter_tensors(folder: str | Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from every shard, one file open at a time."""
+    for path in shard_files(folder):
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_sharded(folder: str | Path) -> dict[str, torch.Tensor]:
+    return dict(iter_tensors(folder))
+
+
+def atomic_folder(final: str | Path):
+    """Context manager: yields a temp folder beside ``final``; on success it replaces ``final``."""
+    return _AtomicFolder(Path(final))
+
+
+class _AtomicFolder:
+    def __init__(self, final: Path):
+        self.final = final
+
+    def __enter__(self) -> Path:
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=self.final.parent, prefix=f".{self.final.name}.tmp-"))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        os.chmod(self.tmp, 0o755)
+        replace_folder(self.tmp, self.final)
+        return False
+
+
+def replace_folder(src: Path, final: Path) -> None:
+    """Rename ``src`` to ``final``; an existing ``final`` is moved aside first, then removed."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(src, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,27 @@
+"""Shared fixtures: a private cache for the tiny world, paths, and a CLI runner."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# One world cache for the whole session (built once, ~5 s); tests never touch ~/.cache.
+os.environ.setdefault("ELASTICRL_CACHE", str(ROOT / ".venv" / "elasticrl-test-cache"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run ``elasticrl`` as a user would, in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "elasticrl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def examples_dir() -> Path:
+    return EXAMPLES

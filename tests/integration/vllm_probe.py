@@ -1,0 +1,27 @@
+"""Load a model folder in vLLM (CPU build here), greedy-decode prompts, print JSON.
+
+Run as a script in its own process: in-process vLLM takes over torch's thread settings and
+joins an existing torch.distributed world, which a test process must not inherit.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main(model: str, prompts_json: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=128)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params)
+    result = [{"token_ids": list(o.outputs[0].token_ids),
+               "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+               "text": o.outputs[0].text} for o in outs]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

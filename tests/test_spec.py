@@ -1,0 +1,117 @@
+"""The job spec: defaults, overrides, and bad input rejected with the field's path."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from elasticrl.spec import JobSpec, SpecError, describe, dump_spec, load_spec, spec_to_dict
+from tests.conftest import EXAMPLES, run_cli
+
+
+def test_defaults_are_valid():
+    spec = load_spec({})
+    assert spec == JobSpec()
+    assert spec.train.micro_batch_size == 16 and spec.algorithm == "sft"
+
+
+def test_example_loads():
+    spec = load_spec(EXAMPLES / "tiny_sft.yaml")
+    assert spec.train.num_ranks == 2 and spec.train.zero_stage == 2
+
+
+def test_overrides_parse_yaml_values():
+    spec = load_spec({}, ["train.lr=3e-4", "train.zero_stage=3", "model.path=null",
+                          "train.adam_betas=[0.8, 0.9]", "log.progress_bar=false"])
+    assert spec.train.lr == pytest.approx(3e-4)
+    assert spec.train.zero_stage == 3
+    assert spec.train.adam_betas == (0.8, 0.9)
+    assert spec.log.progress_bar is False
+
+
+def test_resolved_spec_round_trips(tmp_path):
+    spec = load_spec({}, ["train.lr=2e-4"])
+    dump_spec(spec, tmp_path / "spec.yaml")
+    assert load_spec(tmp_path / "spec.yaml") == spec
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left behind
+
+
+def test_every_field_is_documented():
+    rows = describe()
+    assert len(rows) > 30
+    assert all(doc for _, _, doc in rows), [path for path, _, doc in rows if not doc]
+    assert set(path for path, _, _ in rows) >= {"train.micro_batch_size", "model.dtype", "world.model_size"}
+
+
+BAD = [
+    ({"train": {"micro_batch_size": -1}}, [],
+     "train.micro_batch_size: expected a positive integer, got -1"),
+    ({"train": {"micro_bach_size": 4}}, [], "train.micro_bach_size: unknown field; did you mean 'micro_batch_size'?"),
+    ({"trian": {}}, [], "trian: unknown field; did you mean 'train'?"),
+    ({"train": {"lr": "fast"}}, [], "train.lr: expected a number > 0, got 'fast'"),
+    ({"train": {"lr": 0}}, [], "train.lr: expected a number > 0, got 0.0"),
+    ({"train": {"zero_stage": 4}}, [], "train.zero_stage: expected one of 0, 1, 2, 3, got 4"),
+    ({"model": {"dtype": "fp16"}}, [], "model.dtype: expected one of 'auto', 'bf16', 'fp32', got 'fp16'"),
+    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', got 'ppx'"),
+    ({"train": {"num_ranks": True}}, [], "train.num_ranks: expected a positive integer, got True"),
+    ({"train": "fast"}, [], "train: expected a section (mapping of fields), got 'fast'"),
+    ({"model": {"trust_remote_code": "yes"}}, [], "model.trust_remote_code: expected true or false, got 'yes'"),
+    ({"train": {"global_batch_size": 48, "micro_batch_size": 16, "num_ranks": 2}}, [],
+     "train.global_batch_size: must be a multiple of micro_batch_size x data-parallel ranks = 32, got 48; try 32"),
+    ({"train": {"tp_size": 3, "num_ranks": 2}}, [], "train.tp_size: must divide train.num_ranks (2), got 3"),
+    ({"train": {"offload_params": True, "zero_stage": 2}}, [], "train.offload_params: needs train.zero_stage: 3"),
+    ({"train": {"adam_betas": [0.9]}}, [], "train.adam_betas: expected a list of 2 values, got [0.9]"),
+    ({"train": {"warmup_ratio": 1.5}}, [], "train.warmup_ratio: expected a number in [0, 1], got 1.5"),
+    ({"world": {"operators": "+/"}}, [], "world.operators: expected a non-empty subset of '+-*', got '+/'"),
+    ({"model": {"path": "/nonexistent/model"}}, [], "model.path: /nonexistent/model is not a folder"),
+    ({"data": {"train": "/nonexistent.jsonl"}}, [], "data.train: file /nonexistent.jsonl not found"),
+    ({}, ["train.lr"], "--set 'train.lr': expected FIELD.PATH=VALUE"),
+    ({"train": {"zero_stage": 2}}, ["train.zero_stage.x=1"], "train.zero_stage: --set 'train.zero_stage.x=1': this field is not a section"),
+]
+
+
+@pytest.mark.parametrize("raw, overrides, message", BAD, ids=[b[2].split(":")[0] for b in BAD])
+def test_bad_spec_is_rejected_with_its_field(raw, overrides, message):
+    with pytest.raises(SpecError) as err:
+        load_spec(raw, overrides)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(SpecError, match=r"bad.yaml line \d+, column \d+: not valid YAML"):
+        load_spec(p)
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "nope.yaml")
+    p = tmp_path / "list.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(SpecError, match="top level must be a mapping"):
+        load_spec(p)
+
+
+def test_cli_bad_spec_is_one_line_and_nonzero(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump({"train": {"micro_batch_size": -1}}))
+    res = run_cli("run", str(p), "--output", str(tmp_path / "out"), timeout=120)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == [f"error: {p}: train.micro_batch_size: expected a positive integer, got -1"]
+    assert not (tmp_path / "out").exists()  # nothing started, nothing half-written
+
+
+def test_cli_spec_prints_resolved(tmp_path):
+    res = run_cli("spec", str(EXAMPLES / "tiny_sft.yaml"), "--set", "train.lr=5e-4", timeout=120)
+    assert res.returncode == 0, res.stderr
+    resolved = yaml.safe_load(res.stdout)
+    assert resolved["train"]["lr"] == 5e-4 and resolved == spec_to_dict(load_spec(resolved))
+
+
+def test_readme_documents_every_field():
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    missing = [path for path, _, _ in describe() if f"| `{path}` |" not in readme]
+    assert missing == [], f"README's spec reference lacks {missing}; regenerate it from describe()"

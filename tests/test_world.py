@@ -1,0 +1,105 @@
+"""The embedded tiny world: same bytes everywhere, a working tokenizer, a clean task split."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from elasticrl.spec.schema import WorldSpec
+from elasticrl.world import content_hash, world_dir
+from elasticrl.world.model import PRESETS, tiny_config
+from elasticrl.world.task import enumerate_problems, is_correct, make_records, parse_answer, split_problems
+from elasticrl.world.tokenizer import VOCAB_SIZE, build_tokenizer
+
+# Recorded from a build of the default world (torch 2.13.0, transformers 5.19.0). A change
+# here means users' worlds changed: bump build.FORMAT_VERSION and record the new values.
+DEFAULT_WORLD_SHA256 = "4f32be3ce1bcab4d74988b243859e02b157375d777b8e00de8b299c2ec326ded"
+DEFAULT_DATA_SHA256 = {
+    "eval.jsonl": "b3ec73d17c4b02c2a0fd64d369c3a01b1afd4c2c324cd8c364292c40d769c572",
+    "preference.jsonl": "5f79d70df8064441637baf8e978e9668ec18823d9de7fa6b045ec7268fcda794",
+    "rl_prompts.jsonl": "b64db77af4d3cbcb1b8d4b030a8e497883de3de21aad33b6ef1504ac27625972",
+    "sft.jsonl": "e6cfbdecd7fb2f28f99df76e237124d17f12e29d4d110b7830b6adf17195ff56",
+}
+
+
+def test_default_world_has_the_recorded_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTICRL_CACHE", str(tmp_path))
+    d = world_dir(WorldSpec())
+    manifest = json.loads((d / "MANIFEST.json").read_text())
+    assert manifest["content_sha256"] == DEFAULT_WORLD_SHA256
+    assert content_hash(d) == DEFAULT_WORLD_SHA256
+    for name, digest in DEFAULT_DATA_SHA256.items():
+        assert hashlib.sha256((d / "data" / name).read_bytes()).hexdigest() == digest, name
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_rebuild_in_another_place_is_identical(tmp_path, monkeypatch):
+    small = WorldSpec(model_size="0.5m", num_train=500, num_eval=50, seed=7)
+    hashes = []
+    for sub in ("a", "b"):
+        monkeypatch.setenv("ELASTICRL_CACHE", str(tmp_path / sub))
+        hashes.append(content_hash(world_dir(small)))
+    assert hashes[0] == hashes[1]
+    monkeypatch.setenv("ELASTICRL_CACHE", str(tmp_path / "c"))
+    assert content_hash(world_dir(WorldSpec(model_size="0.5m", num_train=500, num_eval=50, seed=8))) != hashes[0]
+
+
+def test_tokenizer_round_trip_and_chat_template():
+    tok = build_tokenizer()
+    assert len(tok) == VOCAB_SIZE
+    text = "What is 17+5? It is 22.\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "17+5="}, {"role": "assistant", "content": "22"}],
+                                   tokenize=False)
+    assert chat == "<bos><|user|>17+5=<|assistant|>22<eos>"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    assert len(ids) == 2 + 4 + 1  # bos, user, "1+1=", assistant
+    assert tok.decode([tok.convert_tokens_to_ids("<reserved_3>"), ids[2]], skip_special_tokens=True) == "1"
+
+
+def test_task_split_is_disjoint_and_answers_are_right():
+    train, held_out = split_problems(30, "+-*", 200, seed=0)
+    assert len(held_out) == 200
+    assert not {p for p, _ in train} & {p for p, _ in held_out}
+    for prompt, answer in train + held_out:
+        assert eval(prompt[:-1]) == answer >= 0  # "17-5=" -> 12
+    assert len(enumerate_problems(3, "+")) == 16
+
+
+def test_records_are_consistent():
+    rec = make_records(20, "+-", 100, 30, seed=1)
+    assert len(rec["sft"]) == 100 and len(rec["eval"]) == 30
+    for r in rec["preference"]:
+        assert eval(r["prompt"][:-1]) == int(r["chosen"]) != int(r["rejected"])
+    evals = {r["prompt"] for r in rec["eval"]}
+    assert not evals & {r["prompt"] for r in rec["sft"]}
+    assert not evals & {r["prompt"] for r in rec["rl_prompts"]}
+
+
+@pytest.mark.parametrize("completion, answer, ok", [
+    ("22", "22", True), (" 22<eos>", "22", True), ("22 and 23", "22", True), ("23", "22", False),
+    ("", "22", False), ("-3", "-3", True), ("abc", "abc", True), ("abd", "abc", False)])
+def test_is_correct(completion, answer, ok):
+    assert is_correct(completion, answer) is ok
+
+
+def test_parse_answer():
+    assert parse_answer("x = 41, y = 2") == 41 and parse_answer("none") is None
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_have_their_size_and_shard_for_tp2(preset):
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_config(preset, build_tokenizer())
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    nominal = float(preset.rstrip("m")) * 1e6
+    assert 0.75 * nominal <= n <= 1.25 * nominal, n
+    assert cfg.num_attention_heads % 2 == 0 and cfg.num_key_value_heads % 2 == 0 and cfg.vocab_size % 8 == 0
