@@ -29,7 +29,8 @@ def _free_address(_self) -> tuple[str, int]:
 
 class RoleGroup:
     def __init__(self, role: str, actor_cls, num_ranks: int, *args, gpus_per_rank: float = 1.0,
-                 cpus_per_rank: float = 1.0, place_timeout_s: float = 300, **kwargs):
+                 cpus_per_rank: float = 1.0, place_timeout_s: float = 300, actor_options: dict | None = None,
+                 **kwargs):
         self.role = role
         self.num_ranks = num_ranks
         bundles = [backend.bundle(gpus_per_rank, cpus_per_rank) for _ in range(num_ranks)]
@@ -45,7 +46,7 @@ class RoleGroup:
             remote_cls.options(
                 **backend.worker_resources(gpus_per_rank, cpus_per_rank),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                name=None,
+                **(actor_options or {}),
             ).remote(*args, **kwargs)
             for i in range(num_ranks)
         ]

@@ -80,6 +80,30 @@ class TrainSpec:
 
 
 @dataclass
+class RolloutSpec:
+    num_engines: int = doc("vLLM engines generating in parallel (each a Ray actor).", 1, min=1)
+    tp_size: int = doc("Tensor-parallel size of each engine (GPUs, or CPU processes, per engine).", 1, min=1)
+    cpus_per_engine: int = doc("CPU threads per engine on CPU machines.", 1, min=1)
+    max_model_len: int = doc("Longest prompt + completion an engine accepts, in tokens.", 512, min=8)
+    kv_cache_gib: float = doc("KV-cache size of a CPU engine, GiB (vLLM would otherwise take most "
+                              "free memory).", 1.0, min=0, exclusive_min=True)
+    gpu_memory_utilization: float = doc("Share of GPU memory a GPU engine may use.", 0.5, min=0, max=1,
+                                        exclusive_min=True)
+    cpu_mode: Literal["auto", "dense", "packed"] = doc(
+        "How a CPU engine computes linears: 'packed' (oneDNN/AMX, repacked after each weight sync), "
+        "'dense' (MKL on dense weights; a sync is a copy); 'auto' packs only on AMX/AVX512-BF16 CPUs.",
+        "auto")
+    cpu_sleep: Literal["keep", "restart"] = doc(
+        "vLLM's CPU build cannot sleep: 'keep' leaves the engine resident during training, "
+        "'restart' shuts it down and starts it again (the next weight sync restores the weights).",
+        "keep")
+    weight_sync: Literal["auto", "shm", "broadcast", "files"] = doc(
+        "Transport of weights into the engines; 'auto' uses shared memory when trainer rank 0 and "
+        "every engine share a CPU node, else a broadcast collective.", "auto")
+    bucket_mb: int = doc("Bytes per weight-sync bucket, in MiB (one collective or load per bucket).", 64, min=1)
+
+
+@dataclass
 class EvalSpec:
     every_steps: int = doc("Evaluate held-out prompts every N steps (and at the end); 0 only at the end.",
                            100, min=0)
@@ -124,6 +148,7 @@ class JobSpec:
     model: ModelSpec = doc("The model trained.", factory=ModelSpec)
     data: DataSpec = doc("Training and evaluation data.", factory=DataSpec)
     train: TrainSpec = doc("Optimisation and parallelism.", factory=TrainSpec)
+    rollout: RolloutSpec = doc("vLLM rollout engines.", factory=RolloutSpec)
     eval: EvalSpec = doc("Held-out evaluation.", factory=EvalSpec)
     log: LogSpec = doc("Metrics and console output.", factory=LogSpec)
     checkpoint: CheckpointSpec = doc("Resumable checkpoints.", factory=CheckpointSpec)

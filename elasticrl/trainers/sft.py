@@ -97,6 +97,21 @@ class SFTWorker:
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "dp_leader": self.is_dp_leader}
 
+    def attach_rollout(self, engines: list, infos: list[dict], transport: str, bucket_mb: int,
+                       files_dir: str | None = None) -> str:
+        """Get ready to push weights into rollout engines; returns the transport chosen."""
+        from elasticrl.weights.sync import WeightSender
+
+        self.sender = WeightSender(engines if self.rank == 0 else [], infos, transport, bucket_mb * 2**20,
+                                   self.spec.train.comm_timeout_s, files_dir)
+        return self.sender.transport
+
+    def sync_weights(self, version: int) -> dict:
+        return self.sender.sync(self.engine, version)
+
+    def detach_rollout(self) -> None:
+        self.sender.close()
+
     def evaluate(self, num_prompts: int) -> dict:
         s = self.spec
         records = self.eval_records[:num_prompts] if num_prompts else self.eval_records

@@ -1,0 +1,185 @@
+"""One vLLM engine in a Ray actor: generate, score, receive weights, sleep and wake.
+
+The engine is stateless apart from its weights and their version, so it can be restarted
+and re-synced at any time. A weight sync is atomic from the engine's view: generation
+waits while a sync is in progress, and every completion carries the version it was
+generated with.
+
+vLLM's CPU build has no sleep mode. On CPU ``sleep`` either keeps the engine resident
+(``cpu_sleep: keep``, the default; logged once with the memory it keeps) or shuts it down
+and ``wake`` starts it again (``cpu_sleep: restart``; the next sync brings the weights).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from elasticrl import backend
+
+log = logging.getLogger(__name__)
+
+SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "min_tokens",
+                 "stop_token_ids", "ignore_eos"}
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
+                 cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, trust_remote_code: bool):
+        self.model_path = model_path
+        self.args = dict(tp_size=tp_size, dtype=backend.resolve_dtype(dtype), seed=seed, max_model_len=max_model_len,
+                         gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code)
+        self.cpu_mode = backend.cpu_rollout_mode(cpu_mode)
+        self.cpu_sleep = cpu_sleep
+        self.version = 0
+        self.llm = None
+        self._cond = threading.Condition()
+        self._syncing = False
+        self._busy = False
+        self._start()
+
+    def _start(self) -> None:
+        from vllm import LLM
+
+        a = self.args
+        t0 = time.time()
+        self.llm = LLM(model=self.model_path, tensor_parallel_size=a["tp_size"], dtype=_VLLM_DTYPE[a["dtype"]],
+                       seed=a["seed"], max_model_len=a["max_model_len"], trust_remote_code=a["trust_remote_code"],
+                       worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver",
+                       **backend.rollout_kwargs(a["gpu_memory_utilization"]))
+        self.prepared = self.llm.collective_rpc("erl_prepare", args=(self.model_path, self.cpu_mode))[0]
+        self.start_seconds = time.time() - t0
+
+    def info(self) -> dict:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "version": self.version, "start_seconds": self.start_seconds, "tp_size": self.args["tp_size"],
+                "dtype": self.args["dtype"], **self.prepared}
+
+    # --- generation ---------------------------------------------------------------------
+    def _run(self, fn):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._syncing and not self._busy)
+            self._busy = True
+            version = self.version
+        try:
+            return fn(), version
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
+        """Completions for token-id prompts; ``sampling`` holds SamplingParams fields."""
+        from vllm import SamplingParams
+
+        unknown = set(sampling) - SAMPLING_KEYS
+        if unknown:
+            raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
+        params = SamplingParams(**sampling, logprobs=0)
+        outs, version = self._run(lambda: self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+        results = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                results.append({"prompt_index": i, "token_ids": list(c.token_ids),
+                                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                                "text": c.text, "finish_reason": c.finish_reason, "weight_version": version})
+        return results
+
+    def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], int]:
+        """log p(token_t | tokens_<t) for t >= 1 of each sequence, and the weight version."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outs, version = self._run(lambda: self.llm.generate(
+            [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False))
+        return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
+                for o, s in zip(outs, sequences)], version
+
+    # --- weights ------------------------------------------------------------------------
+    def begin_sync(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy and not self._syncing)
+            self._syncing = True
+
+    def finish_sync(self, version: int) -> None:
+        # Cached prefixes hold keys/values of the old weights (FACTS: off by up to 4.9 nats).
+        self.llm.reset_prefix_cache()
+        with self._cond:
+            self.version = version
+            self._syncing = False
+            self._cond.notify_all()
+
+    def load_shm(self, path: str, nbytes: int, metas: list) -> int:
+        return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas))[0]
+
+    def release_shm(self, path: str) -> None:
+        self.llm.collective_rpc("erl_release_shm", args=(path,))
+
+    def join_group(self, addr: str, port: int, rank_offset: int, world_size: int, backend_name: str,
+                   timeout_s: int) -> None:
+        self.llm.collective_rpc("erl_join_group", args=(addr, port, rank_offset, world_size, backend_name, timeout_s))
+
+    def load_broadcast(self, metas: list, nbytes: int) -> int:
+        return self.llm.collective_rpc("erl_load_broadcast", args=(metas, nbytes))[0]
+
+    def leave_group(self) -> None:
+        self.llm.collective_rpc("erl_leave_group")
+
+    def load_files(self, folder: str) -> int:
+        return self.llm.collective_rpc("erl_load_files", args=(folder,))[0]
+
+    def worker_weights(self) -> list[dict]:
+        return self.llm.collective_rpc("erl_state_dict")
+
+    # --- hybrid engine ------------------------------------------------------------------
+    def sleep(self) -> dict:
+        t0 = time.time()
+        if backend.has_gpu():
+            self.llm.sleep(level=1)
+            return {"slept": "vllm_sleep", "seconds": time.time() - t0}
+        if self.cpu_sleep == "restart":
+            self._shutdown()
+            return {"slept": "restart", "seconds": time.time() - t0}
+        if not getattr(self, "_warned_sleep", False):
+            log.warning("vLLM's CPU build has no sleep mode: rollout engine keeps %.2f GiB resident during "
+                        "training (set rollout.cpu_sleep: restart to free it at a restart cost)", _rss_gib())
+            self._warned_sleep = True
+        return {"slept": "kept", "seconds": 0.0, "rss_gib": _rss_gib()}
+
+    def wake(self) -> dict:
+        t0 = time.time()
+        if backend.has_gpu():
+            self.llm.wake_up()
+        elif self.llm is None:
+            self._start()  # weights are those of model_path until the next sync
+            self.version = 0
+        return {"seconds": time.time() - t0}
+
+    def _shutdown(self) -> None:
+        if self.llm is None:
+            return
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()  # multi-process engines hang at exit without it
+        self.llm = None
+        import gc
+
+        gc.collect()
+
+    def shutdown(self) -> None:
+        self._shutdown()
+
+
+_VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _rss_gib() -> float:
+    with open(f"/proc/{os.getpid()}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0

@@ -1,0 +1,54 @@
+"""N rollout engines as one: a batch is split over the engines and the results merged in order."""
+from __future__ import annotations
+
+import ray
+
+from elasticrl import backend
+from elasticrl.cluster import RoleGroup
+from elasticrl.rollout.engine import RolloutEngine
+from elasticrl.spec.schema import RolloutSpec
+
+
+class RolloutPool:
+    def __init__(self, model_path: str, spec: RolloutSpec, dtype: str, seed: int, trust_remote_code: bool = False):
+        self.spec = spec
+        env = backend.rollout_env(spec.tp_size, spec.kv_cache_gib, spec.cpus_per_engine)
+        self.group = RoleGroup(
+            "rollout", RolloutEngine, spec.num_engines, model_path, spec.tp_size, dtype, seed,
+            spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, trust_remote_code,
+            gpus_per_rank=spec.tp_size, cpus_per_rank=spec.cpus_per_engine,
+            # Threads let generation wait while a weight sync is in progress (see engine.py).
+            actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})
+        # Engines differ in their sampling seed so n samples over engines are not copies.
+        self.engines = self.group.actors
+        self.infos = self.group.call("info")
+
+    def _split(self, items: list) -> list[tuple[int, list]]:
+        n = len(self.engines)
+        size = -(-len(items) // n)
+        return [(i * size, items[i * size:(i + 1) * size]) for i in range(n) if items[i * size:(i + 1) * size]]
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
+        """Completions of every prompt (``n`` each), ordered by prompt, each with its index."""
+        chunks = self._split(prompts)
+        refs = [self.engines[i].generate.remote(chunk, sampling) for i, (_, chunk) in enumerate(chunks)]
+        results = []
+        for (start, _), part in zip(chunks, self.group._get(refs)):
+            for r in part:
+                r["prompt_index"] += start
+                results.append(r)
+        return results
+
+    def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], list[int]]:
+        chunks = self._split(sequences)
+        parts = self.group._get([self.engines[i].score.remote(c) for i, (_, c) in enumerate(chunks)])
+        return [lp for part, _ in parts for lp in part], [v for _, v in parts]
+
+    def call(self, method: str, *args) -> list:
+        return self.group.call(method, *args)
+
+    def shutdown(self) -> None:
+        try:
+            self.group.call("shutdown")
+        finally:
+            self.group.shutdown()

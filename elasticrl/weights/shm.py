@@ -1,0 +1,38 @@
+"""Same-node shared memory for weights: a file in /dev/shm mapped as a torch tensor by the
+trainer and by every engine process on that node. Nothing is serialised: the trainer
+copies raw tensor bytes in, the engine reads them as views."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+SHM_ROOT = Path(os.environ.get("ELASTICRL_SHM_DIR", "/dev/shm"))
+ALIGN = 64  # bytes; keeps every view aligned for vector loads
+
+
+def create(nbytes: int, tag: str = "weights") -> tuple[str, torch.Tensor]:
+    """A new shared buffer; returns its path (for the other side) and a uint8 view."""
+    path = SHM_ROOT / f"elasticrl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open(path, "wb") as fh:
+        fh.truncate(nbytes)
+    return str(path), torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def attach(path: str, nbytes: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def release(path: str) -> None:
+    Path(path).unlink(missing_ok=True)
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    return buf[offset: offset + nbytes].view(dtype).view(shape)
