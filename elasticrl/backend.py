@@ -97,12 +97,16 @@ def resolve_dtype(name: str) -> str:
 
 def rollout_env(tp_size: int, kv_cache_gib: float, threads: int) -> dict[str, str]:
     """Environment a vLLM engine process needs, set before vLLM is imported."""
+    quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if has_gpu():
-        return {}
-    env = {
+        return quiet
+    env = {**quiet,
         # Unset, vLLM's CPU build sizes its KV cache from free memory (15 GiB seen for a tiny model).
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))),
         "OMP_NUM_THREADS": str(threads),
+        # vLLM would pin each worker to cores (and, with TP > 1, demand a NUMA node per worker);
+        # engines share the machine with trainers, so let the OS schedule them.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
     if tp_size == 1:
         # In-process engine: starts in seconds at ~1.8 GB instead of three processes at ~3 GB.
@@ -118,9 +122,9 @@ def rollout_kwargs(gpu_memory_utilization: float) -> dict:
 
 
 def cpu_rollout_mode(requested: str) -> str:
-    """How a CPU engine computes linears: 'packed' (oneDNN/AMX, repacked after each sync) or
-    'dense' (MKL on dense weights, a sync is a plain copy). 'auto' packs only where AMX or
-    AVX512-BF16 make packing pay; here (AVX2) packed and dense GEMMs were within ~10 %."""
-    if requested != "auto":
-        return requested
-    return "packed" if fast_bf16() else "dense"
+    """How a CPU engine computes linears: 'packed' (vLLM's default: oneDNN-packed weights,
+    repacked once after each sync) or 'dense' (MKL on dense weights; a sync is a copy).
+    'auto' is packed: rollout dominates an RL step, and on this project's AVX2 machine
+    dense decoding was 12-25 % slower while the repack cost ~1 s per GB synced
+    (benchmarks/rollout.py, benchmarks/weight_sync.py)."""
+    return "packed" if requested == "auto" else requested

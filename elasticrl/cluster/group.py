@@ -7,6 +7,7 @@ a dead rank otherwise leaves its peers blocked in a collective until the timeout
 from __future__ import annotations
 
 import socket
+import uuid
 from typing import Any
 
 import ray
@@ -34,7 +35,7 @@ class RoleGroup:
         self.role = role
         self.num_ranks = num_ranks
         bundles = [backend.bundle(gpus_per_rank, cpus_per_rank) for _ in range(num_ranks)]
-        self.pg = placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}")
+        self.pg = placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}-{uuid.uuid4().hex[:8]}")
         ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
         if not ready:
             remove_placement_group(self.pg)

@@ -32,11 +32,9 @@ class RolloutEngine:
                          gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code)
         self.cpu_mode = backend.cpu_rollout_mode(cpu_mode)
         self.cpu_sleep = cpu_sleep
-        self.version = 0
+        self.gate = SyncGate()
+        self.incarnation = 0  # bumps at every (re)start: senders re-attach to new buffers
         self.llm = None
-        self._cond = threading.Condition()
-        self._syncing = False
-        self._busy = False
         self._start()
 
     def _start(self) -> None:
@@ -45,31 +43,25 @@ class RolloutEngine:
         a = self.args
         t0 = time.time()
         self.llm = LLM(model=self.model_path, tensor_parallel_size=a["tp_size"], dtype=_VLLM_DTYPE[a["dtype"]],
-                       seed=a["seed"], max_model_len=a["max_model_len"], trust_remote_code=a["trust_remote_code"],
+                       # a restarted engine must not replay the samples of its first life
+                       seed=a["seed"] + 1000 * self.incarnation, max_model_len=a["max_model_len"], trust_remote_code=a["trust_remote_code"],
                        worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver",
+                       # An engine's TP workers live on its node, as processes of this actor
+                       # (inside Ray, vLLM would otherwise pick its Ray executor).
+                       distributed_executor_backend="mp" if a["tp_size"] > 1 else None,
                        **backend.rollout_kwargs(a["gpu_memory_utilization"]))
         self.prepared = self.llm.collective_rpc("erl_prepare", args=(self.model_path, self.cpu_mode))[0]
         self.start_seconds = time.time() - t0
+        self.incarnation += 1
 
     def info(self) -> dict:
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "version": self.version, "start_seconds": self.start_seconds, "tp_size": self.args["tp_size"],
+                "version": self.gate.version, "start_seconds": self.start_seconds, "tp_size": self.args["tp_size"],
                 "dtype": self.args["dtype"], **self.prepared}
 
     # --- generation ---------------------------------------------------------------------
-    def _run(self, fn):
-        with self._cond:
-            self._cond.wait_for(lambda: not self._syncing and not self._busy)
-            self._busy = True
-            version = self.version
-        try:
-            return fn(), version
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
 
     def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
         """Completions for token-id prompts; ``sampling`` holds SamplingParams fields."""
@@ -79,7 +71,7 @@ class RolloutEngine:
         if unknown:
             raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
         params = SamplingParams(**sampling, logprobs=0)
-        outs, version = self._run(lambda: self.llm.generate(
+        outs, version = self.gate.run(lambda: self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
         results = []
         for i, out in enumerate(outs):
@@ -94,27 +86,29 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        outs, version = self._run(lambda: self.llm.generate(
+        outs, version = self.gate.run(lambda: self.llm.generate(
             [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False))
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
                 for o, s in zip(outs, sequences)], version
 
     # --- weights ------------------------------------------------------------------------
-    def begin_sync(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._busy and not self._syncing)
-            self._syncing = True
+    def begin_sync(self) -> int:
+        """Block generation until ``finish_sync``; returns the engine's incarnation."""
+        self.gate.begin()
+        return self.incarnation
 
     def finish_sync(self, version: int) -> None:
+        self.llm.collective_rpc("erl_finish")
         # Cached prefixes hold keys/values of the old weights (FACTS: off by up to 4.9 nats).
         self.llm.reset_prefix_cache()
-        with self._cond:
-            self.version = version
-            self._syncing = False
-            self._cond.notify_all()
+        self.gate.finish(version)
 
     def load_shm(self, path: str, nbytes: int, metas: list) -> int:
         return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas))[0]
+
+    def share_weights(self) -> list[dict]:
+        """Per worker: its shared-memory arena and the copy plans into it (same node only)."""
+        return self.llm.collective_rpc("erl_share_weights", args=(self.model_path,))
 
     def release_shm(self, path: str) -> None:
         self.llm.collective_rpc("erl_release_shm", args=(path,))
@@ -156,12 +150,13 @@ class RolloutEngine:
             self.llm.wake_up()
         elif self.llm is None:
             self._start()  # weights are those of model_path until the next sync
-            self.version = 0
+            self.gate.version = 0
         return {"seconds": time.time() - t0}
 
     def _shutdown(self) -> None:
         if self.llm is None:
             return
+        self.llm.collective_rpc("erl_release_all")
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()  # multi-process engines hang at exit without it
@@ -172,6 +167,39 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         self._shutdown()
+
+
+class SyncGate:
+    """Generation and weight syncs exclude each other; completions carry the version."""
+
+    def __init__(self):
+        self.version = 0
+        self._cond = threading.Condition()
+        self._syncing = False
+        self._busy = False
+
+    def run(self, fn):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._syncing and not self._busy)
+            self._busy = True
+            version = self.version
+        try:
+            return fn(), version
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def begin(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy and not self._syncing)
+            self._syncing = True
+
+    def finish(self, version: int) -> None:
+        with self._cond:
+            self.version = version
+            self._syncing = False
+            self._cond.notify_all()
 
 
 _VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}

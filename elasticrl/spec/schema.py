@@ -81,6 +81,9 @@ class TrainSpec:
 
 @dataclass
 class RolloutSpec:
+    backend: Literal["auto", "vllm", "hf"] = doc(
+        "Rollout engine: vLLM; 'hf' is the transformers generate fallback for machines without "
+        "vLLM ('auto' falls back to it only when vLLM is missing, with a warning).", "auto")
     num_engines: int = doc("vLLM engines generating in parallel (each a Ray actor).", 1, min=1)
     tp_size: int = doc("Tensor-parallel size of each engine (GPUs, or CPU processes, per engine).", 1, min=1)
     cpus_per_engine: int = doc("CPU threads per engine on CPU machines.", 1, min=1)
@@ -90,16 +93,17 @@ class RolloutSpec:
     gpu_memory_utilization: float = doc("Share of GPU memory a GPU engine may use.", 0.5, min=0, max=1,
                                         exclusive_min=True)
     cpu_mode: Literal["auto", "dense", "packed"] = doc(
-        "How a CPU engine computes linears: 'packed' (oneDNN/AMX, repacked after each weight sync), "
-        "'dense' (MKL on dense weights; a sync is a copy); 'auto' packs only on AMX/AVX512-BF16 CPUs.",
-        "auto")
+        "How a CPU engine computes linears: 'packed' (vLLM's oneDNN-packed weights, repacked once per "
+        "weight sync) or 'dense' (plain weights: syncs ~4x faster, decoding 12-25% slower on AVX2); "
+        "'auto' = packed.", "auto")
     cpu_sleep: Literal["keep", "restart"] = doc(
         "vLLM's CPU build cannot sleep: 'keep' leaves the engine resident during training, "
         "'restart' shuts it down and starts it again (the next weight sync restores the weights).",
         "keep")
-    weight_sync: Literal["auto", "shm", "broadcast", "files"] = doc(
-        "Transport of weights into the engines; 'auto' uses shared memory when trainer rank 0 and "
-        "every engine share a CPU node, else a broadcast collective.", "auto")
+    weight_sync: Literal["auto", "shm", "shm_staged", "broadcast", "files"] = doc(
+        "Transport of weights into the engines: 'shm' writes straight into same-node engines' "
+        "parameters, 'shm_staged' goes through staging buffers, 'broadcast' is a collective per "
+        "bucket, 'files' sharded safetensors; 'auto' picks shm on one CPU node, else broadcast.", "auto")
     bucket_mb: int = doc("Bytes per weight-sync bucket, in MiB (one collective or load per bucket).", 64, min=1)
 
 

@@ -15,6 +15,7 @@ ALIGN = 64  # bytes; keeps every view aligned for vector loads
 
 def create(nbytes: int, tag: str = "weights") -> tuple[str, torch.Tensor]:
     """A new shared buffer; returns its path (for the other side) and a uint8 view."""
+    remove_stale()
     path = SHM_ROOT / f"elasticrl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with open(path, "wb") as fh:
         fh.truncate(nbytes)
@@ -36,3 +37,24 @@ def aligned(n: int) -> int:
 def view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
     return buf[offset: offset + nbytes].view(dtype).view(shape)
+
+
+def remove_stale() -> None:
+    """Unlink buffers whose creating process is gone (a crash cannot free /dev/shm)."""
+    for path in SHM_ROOT.glob("elasticrl-*-*-*"):
+        try:
+            pid = int(path.name.split("-")[-2])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

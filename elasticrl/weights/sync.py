@@ -3,8 +3,12 @@
 Every trainer rank calls ``sync_weights`` (ZeRO-3 and AutoTP gathers are collectives);
 rank 0 sends. Transports, chosen by ``transport_for`` from where the two sides live:
 
-- ``shm``: engines on rank 0's node (CPU). Two staging buffers in /dev/shm: the trainer
-  fills one while the engines load the other with vLLM's own loaders.
+- ``shm``: engines on rank 0's node (CPU). Each engine worker keeps its parameters in a
+  /dev/shm arena and publishes copy plans (``plan.py``); the trainer writes every tensor
+  straight into the live parameters, slices and fusions included: one memcpy per sync.
+- ``shm_staged``: the same node, through two staging buffers that the trainer fills in
+  turn while the engines load the other with vLLM's loaders (two copies; the fallback for
+  models whose loaders transform weights).
 - ``broadcast``: one collective per bucket over a group of trainer rank 0 and every engine
   worker (gloo on CPU, NCCL on GPU); each worker loads its tensor-parallel slice.
 - ``files``: sharded safetensors in a folder both sides see (checkpoint-style, slowest).
@@ -14,6 +18,8 @@ A sync is atomic for the engines: they refuse to generate between ``begin_sync``
 """
 from __future__ import annotations
 
+import logging
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -26,9 +32,13 @@ import torch.distributed as dist
 from elasticrl import backend
 from elasticrl.weights import shm
 from elasticrl.weights.group import broadcast, new_group
+from elasticrl.weights.plan import replay
 
-TRANSPORTS = ("shm", "broadcast", "files")
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("shm", "shm_staged", "broadcast", "files")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 def transport_for(requested: str, my_node: str, engine_nodes: list[str]) -> str:
@@ -79,7 +89,6 @@ class WeightSender:
                  timeout_s: int, files_dir: str | None = None):
         self.engines = engines
         self.infos = engine_infos
-        self.requested = transport
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.files_dir = files_dir
@@ -90,38 +99,75 @@ class WeightSender:
                              f"choose auto or one of {TRANSPORTS}")
         self._buffers: list[tuple[str, torch.Tensor]] = []
         self._group = None
+        self._targets = None  # direct shm: per engine worker (typed arena views, copy plans)
+        self._incarnations = None
+        self.shm_mode = None
 
     def sync(self, ds_engine, version: int) -> dict:
         """Push the trainer's current weights; collective over the trainer's ranks."""
         rank0 = dist.get_rank() == 0
         t0 = time.time()
-        if rank0:
-            ray.get([e.begin_sync.remote() for e in self.engines])
+        params = _Counted(iter_full_params(ds_engine))
+        if not rank0:
+            for _ in params:
+                pass
+            return {}
+        incarnations = ray.get([e.begin_sync.remote() for e in self.engines])
+        if incarnations != self._incarnations:  # an engine restarted: its buffers are new
+            self._release_targets()
+            self._incarnations = incarnations
         size = max(self.bucket_bytes, shm.aligned(max_param_bytes(ds_engine)))
-        send = {"shm": self._send_shm, "broadcast": self._send_broadcast, "files": self._send_files}[self.transport]
-        nbytes = send(iter_full_params(ds_engine), size, version) if rank0 else _drain(iter_full_params(ds_engine))
-        if rank0:
-            ray.get([e.finish_sync.remote(version) for e in self.engines])
+        send = {"shm": self._send_shm, "shm_staged": self._send_staged, "broadcast": self._send_broadcast,
+                "files": self._send_files}[self.transport]
+        send(params, size)
+        ray.get([e.finish_sync.remote(version) for e in self.engines])
         seconds = time.time() - t0
-        return {"sync/seconds": seconds, "sync/gbytes": nbytes / 1e9, "sync/transport": self.transport,
-                "sync/gbps": nbytes / 1e9 / seconds if seconds else 0.0, "sync/version": version}
+        stats = {"sync/seconds": seconds, "sync/gbytes": params.nbytes / 1e9, "sync/transport": self.transport,
+                 "sync/gbps": params.nbytes / 1e9 / seconds if seconds else 0.0, "sync/version": version}
+        if self.transport == "shm":
+            stats["sync/shm_mode"] = self.shm_mode  # "direct", or "staged" when plans were missing
+        return stats
 
-    # --- shm ----------------------------------------------------------------------------
-    def _send_shm(self, params, size: int, version: int) -> int:
+    # --- shm: direct into the engines' parameters, else staged ---------------------------
+    def _send_shm(self, params, size: int) -> None:
+        if self._targets is None:
+            workers = [w for e in self.engines for w in ray.get(e.share_weights.remote())]
+            unplanned = sorted({n for w in workers for n in w["unplanned"]})
+            if unplanned:
+                log.warning("weight sync: vLLM transforms %s while loading; using staged shared memory",
+                            unplanned[:5])
+                self._targets = []
+            else:
+                self._targets = []
+                for w in workers:
+                    arena = shm.attach(w["path"], w["nbytes"])
+                    typed = {name: arena.view(dt) for name, dt in _DTYPE_BY_NAME.items()}
+                    self._targets.append((typed, w["plans"]))
+        if not self._targets:
+            self.shm_mode = "staged"
+            return self._send_staged(params, size)
+        self.shm_mode = "direct"
+        for name, t in params:
+            t = t.contiguous()
+            for typed, plans in self._targets:
+                plan = plans.get(name)
+                if plan is None:
+                    raise ValueError(f"weight sync: trainer parameter {name!r} is not in the rollout engine's "
+                                     "checkpoint; the engines must start from the trainer's model")
+                replay(plan, t, typed)
+
+    def _send_staged(self, params, size: int) -> None:
         if not self._buffers or self._buffers[0][1].numel() < size:
-            self.close()
+            self._release_buffers()
             self._buffers = [shm.create(size, "stage") for _ in range(2)]
         pending: list[list] = [[], []]
-        total = 0
-        for k, (metas, nbytes) in enumerate(_fill_buckets(params, [b for _, b in self._buffers], size)):
+        for k, (metas, _) in enumerate(_fill_buckets(params, [b for _, b in self._buffers], size)):
             path, _ = self._buffers[k % 2]
             pending[k % 2] = [e.load_shm.remote(path, size, metas) for e in self.engines]
-            total += nbytes
             # Before the trainer refills the other buffer, its previous load must be done.
             ray.get(pending[(k + 1) % 2])
             pending[(k + 1) % 2] = []
         ray.get(pending[0] + pending[1])
-        return total
 
     # --- broadcast ----------------------------------------------------------------------
     def _ensure_group(self) -> None:
@@ -139,44 +185,61 @@ class WeightSender:
         self._group = new_group(addr, port, 0, world, backend.dist_backend(), self.timeout_s)
         ray.get(refs)
 
-    def _send_broadcast(self, params, size: int, version: int) -> int:
+    def _send_broadcast(self, params, size: int) -> None:
         self._ensure_group()
         buf = torch.empty(size, dtype=torch.uint8, device=backend.current_device())
-        total, refs = 0, []
+        refs = []
         for metas, nbytes in _fill_buckets(params, [buf], size):
             refs += [e.load_broadcast.remote(metas, nbytes) for e in self.engines]
             broadcast(self._group, buf[:nbytes])
-            total += nbytes
         ray.get(refs)
-        return total
 
     # --- files --------------------------------------------------------------------------
-    def _send_files(self, params, size: int, version: int) -> int:
-        from elasticrl.weights.shards import save_sharded, replace_folder
+    def _send_files(self, params, size: int) -> None:
+        from elasticrl.weights.shards import replace_folder, save_sharded
 
+        self._files_seq = getattr(self, "_files_seq", 0) + 1
         root = Path(self.files_dir or "/tmp/elasticrl-weights")
-        final = root / f"v{version:06d}"
-        tmp = root / f".v{version:06d}.tmp"
+        final = root / f"v{self._files_seq:06d}"
+        tmp = root / f".v{self._files_seq:06d}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        state = {name: t.to("cpu", copy=True) for name, t in params}
-        save_sharded(state, tmp, size)
+        save_sharded({name: t.to("cpu", copy=True) for name, t in params}, tmp, size)
         replace_folder(tmp, final)
         ray.get([e.load_files.remote(str(final)) for e in self.engines])
         for old in root.glob("v*"):
             if old != final:
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
-        return sum(t.numel() * t.element_size() for t in state.values())
 
-    def close(self) -> None:
+    # --- teardown -----------------------------------------------------------------------
+    def _release_targets(self) -> None:
+        self._targets = None
+
+    def _release_buffers(self) -> None:
         for path, _ in self._buffers:
             ray.get([e.release_shm.remote(path) for e in self.engines])
             shm.release(path)
         self._buffers = []
+
+    def close(self) -> None:
+        self._release_targets()
+        self._release_buffers()
         if self._group is not None:
             ray.get([e.leave_group.remote() for e in self.engines])
             self._group = None
+
+
+class _Counted:
+    """Iterates (name, tensor) and counts the bytes of what it hands out."""
+
+    def __init__(self, items):
+        self.items = items
+        self.nbytes = 0
+
+    def __iter__(self):
+        for name, t in self.items:
+            if t is not None:
+                self.nbytes += t.numel() * t.element_size()
+            yield name, t
 
 
 def _fill_buckets(params, buffers: list[torch.Tensor], size: int):
@@ -195,7 +258,3 @@ def _fill_buckets(params, buffers: list[torch.Tensor], size: int):
         yield metas, offset
 
 
-def _drain(params) -> int:
-    for _ in params:
-        pass
-    return 0

@@ -9,5 +9,6 @@ from elasticrl.spec.schema import RaySpec
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    with ray_session(RaySpec(num_cpus=4)):
+    # Logical CPUs for placement; tests oversubscribe the 2 real cores on purpose.
+    with ray_session(RaySpec(num_cpus=8)):
         yield

@@ -47,7 +47,7 @@ def test_synced_engines_score_like_the_trainer(pool, stage, tmp_path):
         group.setup(50)
         initial = group.call("__ray_call__", lambda w: _trainer_logprobs(w, PROBE))[0]
         step, version = 0, 0
-        for transport in ("shm", "broadcast", "files"):
+        for transport in ("shm", "shm_staged", "broadcast", "files"):
             for engines in (pool.engines[:1], pool.engines):
                 infos = pool.infos[: len(engines)]
                 for _ in range(2):  # train so every sync carries new weights
@@ -59,6 +59,8 @@ def test_synced_engines_score_like_the_trainer(pool, stage, tmp_path):
                 version += 1
                 stats = group.call("sync_weights", version)[0]
                 assert stats["sync/transport"] == transport and stats["sync/gbytes"] > 0.008  # 2.1M fp32
+                if transport == "shm":
+                    assert stats["sync/shm_mode"] == "direct"
                 group.call("detach_rollout")
                 expected = group.call("__ray_call__", lambda w: _trainer_logprobs(w, PROBE))[0]
                 for engine in engines:
@@ -72,3 +74,35 @@ def test_synced_engines_score_like_the_trainer(pool, stage, tmp_path):
         assert max(abs(a - b) for x, y in zip(after, initial) for a, b in zip(x, y)) > 0.1  # weights moved
     finally:
         group.shutdown()
+
+
+def test_transformers_fallback_engine_generates_and_receives_weights(ray_cluster, tmp_path):
+    spec = load_spec({}, SPEC + ["rollout.backend=hf", "rollout.num_engines=1"])
+    hf_pool = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", seed=0)
+    group = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), resolve_paths(spec))
+    try:
+        assert hf_pool.infos[0]["mode"] == "hf"
+        group.setup(50)
+        for version, transport in enumerate(("shm", "broadcast", "files"), start=1):
+            group.call("train_step", version)
+            group.call("attach_rollout", hf_pool.engines, hf_pool.infos, transport, 1, str(tmp_path))
+            stats = group.call("sync_weights", version)[0]
+            group.call("detach_rollout")
+            if transport == "shm":
+                assert stats["sync/shm_mode"] == "staged"  # no vLLM loaders to plan with
+            expected = group.call("__ray_call__", lambda w: _trainer_logprobs(w, PROBE))[0]
+            got, versions = hf_pool.score(PROBE)
+            assert versions == [version]
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(torch.tensor(g), torch.tensor(e), atol=1e-4, rtol=0, msg=transport)
+        out = hf_pool.generate([PROBE[0][:8], PROBE[1][:6]], {"max_tokens": 3, "temperature": 0.0, "n": 2,
+                                                              "ignore_eos": True})
+        assert [r["prompt_index"] for r in out] == [0, 0, 1, 1]
+        for r in out:  # greedy: each token is the argmax, its logprob the trainer's
+            prompt = [PROBE[0][:8], PROBE[1][:6]][r["prompt_index"]]
+            lp = group.call("__ray_call__", lambda w, s=prompt + r["token_ids"]: _trainer_logprobs(w, [s]))[0][0]
+            torch.testing.assert_close(torch.tensor(r["logprobs"]), torch.tensor(lp[len(prompt) - 1:]),
+                                       atol=1e-4, rtol=0)
+    finally:
+        group.shutdown()
+        hf_pool.shutdown()

@@ -1,0 +1,105 @@
+"""Rollout throughput: vLLM (its CPU build here) against transformers ``generate``.
+
+Same model (the embedded 20M-parameter Llama unless --model), same prompts, same sampling
+(temperature 1, fixed length: eos ignored), same thread count, one process, one run.
+Prints one JSON line per measurement; the last line holds the headline ratios.
+
+  .venv/bin/python benchmarks/rollout.py [--threads 2] [--prompts 64] [--new-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="HF model folder (default: the embedded 20m world model)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--samples", default="1,4", help="values of n (samples per prompt) to measure")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    args = ap.parse_args()
+    os.environ.update(OMP_NUM_THREADS=str(args.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                      VLLM_LOGGING_LEVEL="WARNING")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from elasticrl.spec.schema import WorldSpec
+    from elasticrl.world import world_paths
+
+    model = args.model or str(world_paths(WorldSpec(model_size="20m"))["model"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"{i % 50}+{(7 * i) % 50}="}], tokenize=False,
+                                     add_generation_prompt=True) for i in range(args.prompts)]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in hf.parameters())
+    ns = [int(n) for n in args.samples.split(",")]
+    rows = {}
+    for n in ns:
+        rows[("hf", n)] = _median([_hf(hf, tok, prompts, n, args.new_tokens) for _ in range(args.repeats)])
+    del hf
+    from vllm import LLM, SamplingParams
+
+    from elasticrl import backend
+
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
+              worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver")
+    # vLLM as it ships (oneDNN-packed linears), then as elasticrl runs it on this CPU.
+    modes = ["vllm"] + (["vllm-dense"] if not backend.has_gpu() else [])  # packed is vLLM's own
+    for mode in modes:
+        if mode != "vllm":
+            llm.collective_rpc("erl_prepare", args=(model, mode.split("-")[1]))
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        for n in ns:
+            sp = SamplingParams(n=n, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
+            runs = []
+            for _ in range(args.repeats):
+                t0 = time.time()
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+                seconds = time.time() - t0
+                tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                runs.append({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds})
+            rows[(mode, n)] = _median(runs)
+    for (engine, n), r in rows.items():
+        print(json.dumps({"engine": engine, "n": n, "params": params, "threads": args.threads, **r}))
+    headline = {"benchmark": "rollout", "params": params, "threads": args.threads, "prompts": args.prompts,
+                "new_tokens": args.new_tokens}
+    for n in ns:
+        hf_rate = rows[("hf", n)]["tokens_per_s"]
+        headline[f"hf_tok_s_n{n}"] = round(hf_rate, 1)
+        for mode in modes:
+            headline[f"{mode}_tok_s_n{n}"] = round(rows[(mode, n)]["tokens_per_s"], 1)
+            headline[f"{mode}_vs_hf_n{n}"] = round(rows[(mode, n)]["tokens_per_s"] / hf_rate, 2)
+    print(json.dumps(headline))
+
+
+def _median(runs: list[dict]) -> dict:
+    runs = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**runs[len(runs) // 2], "runs_tok_s": [round(r["tokens_per_s"], 1) for r in runs]}
+
+
+def _hf(model, tok, prompts, n, new_tokens) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    batch = tok.pad({"input_ids": prompts}, return_tensors="pt")  # left padding (tokenizer default)
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=2, do_sample=True, pad_token_id=tok.pad_token_id)  # warm-up
+        t0 = time.time()
+        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                             temperature=1.0, top_k=0, num_return_sequences=n, pad_token_id=tok.pad_token_id)
+        seconds = time.time() - t0
+    tokens = (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Advantage estimators, by name (``rl.advantage`` picks one).
+
+Conventions: B responses, T response tokens, ``mask_bt`` is 1 on real tokens. Responses of
+one prompt are contiguous, ``group_size`` of them (n samples per prompt). Outcome rewards
+are per response (``rewards_b``); token rewards (``token_rewards_bt``) hold the per-token
+KL penalty with the outcome reward added on the last real token (the paper's "reward on
+the end-of-text token" and "token-level KL"). Every estimator returns
+``(advantages_bt, returns_bt)``; returns are the critic's targets (GAE) or equal the
+advantages. Global whitening (REINFORCE++) is applied by the caller with statistics over
+every data-parallel rank (see ``normalize.masked_whiten``).
+"""
+from __future__ import annotations
+
+import torch
+
+from elasticrl.algorithms.registry import Registry
+
+ADVANTAGES = Registry("advantage estimator")
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce++_baseline"}  # need n > 1 samples per prompt
+
+
+def last_token_rewards(rewards_b: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    """Place each response's outcome reward on its last real token."""
+    out = torch.zeros_like(mask_bt, dtype=torch.float32)
+    last = (mask_bt.cumsum(1) == mask_bt.sum(1, keepdim=True)) & (mask_bt > 0)
+    out[last] = rewards_b.float()[last.nonzero()[:, 0]]
+    return out
+
+
+def discounted_returns(token_rewards_bt: torch.Tensor, mask_bt: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, over real tokens only."""
+    returns = torch.zeros_like(token_rewards_bt)
+    running = torch.zeros(token_rewards_bt.shape[0], dtype=token_rewards_bt.dtype)
+    for t in reversed(range(token_rewards_bt.shape[1])):
+        running = token_rewards_bt[:, t] + gamma * running * mask_bt[:, t]
+        returns[:, t] = running
+    return returns * mask_bt
+
+
+def _groups(x_b: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 2 or x_b.shape[0] % group_size:
+        raise ValueError(f"rl.samples_per_prompt: group estimators need >= 2 samples per prompt and whole "
+                         f"groups, got {x_b.shape[0]} responses in groups of {group_size}")
+    return x_b.float().view(-1, group_size)
+
+
+@ADVANTAGES.register("gae")
+def gae(*, token_rewards_bt, values_bt, mask_bt, gamma=1.0, lam=0.95, **_):
+    """Generalised advantage estimation (PPO with a critic).
+
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, with V = 0
+    after the last real token; returns R_t = A_t + V_t are the critic's targets.
+    """
+    values = values_bt.float() * mask_bt
+    adv = torch.zeros_like(values)
+    next_value = torch.zeros(values.shape[0])
+    next_adv = torch.zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        m = mask_bt[:, t]
+        delta = token_rewards_bt[:, t] + gamma * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * m
+        adv[:, t] = next_adv
+        next_value = values[:, t] * m + next_value * (1 - m)  # padding keeps the value after the end
+        next_adv = next_adv * m
+    return adv, (adv + values) * mask_bt
+
+
+@ADVANTAGES.register("reinforce++")
+def reinforce_pp(*, token_rewards_bt, mask_bt, gamma=1.0, **_):
+    """REINFORCE++: discounted token returns as advantages (the caller whitens them globally)."""
+    returns = discounted_returns(token_rewards_bt, mask_bt, gamma)
+    return returns, returns
+
+
+@ADVANTAGES.register("reinforce++_baseline")
+def reinforce_pp_baseline(*, rewards_b, token_rewards_bt, mask_bt, group_size, gamma=1.0, **_):
+    """REINFORCE++ with the group's mean reward subtracted from each outcome reward first."""
+    g = _groups(rewards_b, group_size)
+    centred = (g - g.mean(1, keepdim=True)).view(-1)
+    shaped = token_rewards_bt - last_token_rewards(rewards_b, mask_bt) + last_token_rewards(centred, mask_bt)
+    returns = discounted_returns(shaped, mask_bt, gamma)
+    return returns, returns
+
+
+def _broadcast(adv_b: torch.Tensor, mask_bt: torch.Tensor):
+    adv = adv_b.view(-1, 1) * mask_bt
+    return adv, adv
+
+
+@ADVANTAGES.register("grpo")
+def grpo(*, rewards_b, mask_bt, group_size, eps=1e-6, **_):
+    """GRPO: (r - mean of the group) / (std of the group + eps), unbiased std, every token."""
+    g = _groups(rewards_b, group_size)
+    return _broadcast(((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + eps)).view(-1), mask_bt)
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo(*, rewards_b, mask_bt, group_size, **_):
+    """Dr. GRPO: r - mean of the group, no division by the std (pair with the
+    ``seq_sum_norm`` loss aggregation, which also drops the length normalisation)."""
+    g = _groups(rewards_b, group_size)
+    return _broadcast((g - g.mean(1, keepdim=True)).view(-1), mask_bt)
+
+
+@ADVANTAGES.register("rloo")
+def rloo(*, rewards_b, mask_bt, group_size, **_):
+    """RLOO: r minus the mean reward of the other n-1 samples of its prompt."""
+    g = _groups(rewards_b, group_size)
+    loo = (g.sum(1, keepdim=True) - g) / (group_size - 1)
+    return _broadcast((g - loo).view(-1), mask_bt)

@@ -1,0 +1,28 @@
+"""Reward functions: ``fn(prompt: str, completion: str, answer: str | None) -> float``,
+named in the spec by import path (``package.module:function``)."""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from elasticrl.world.task import is_correct
+
+RewardFn = Callable[[str, str, "str | None"], float]
+
+
+def load_function(path: str, field: str = "rewards.functions") -> RewardFn:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise ValueError(f"{field}: {path!r} is not an import path; write package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{field}: cannot import {path!r} ({exc})") from None
+    if not callable(fn):
+        raise ValueError(f"{field}: {path!r} is not callable")
+    return fn
+
+
+def exact_answer(prompt: str, completion: str, answer: str | None) -> float:
+    """The tiny task's verifiable reward: 1 when the first number (or the text) is the answer."""
+    return float(answer is not None and is_correct(completion, answer))

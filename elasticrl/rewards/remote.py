@@ -1,0 +1,46 @@
+"""A reward served over HTTP: JSON in, JSON out, never pickle.
+
+Request:  POST {"prompts": [...], "completions": [...], "answers": [...]}
+Response: {"rewards": [float, ...]} (one per completion)
+Timeouts and connection errors are retried with exponential back-off; a malformed answer
+fails at once with the endpoint named.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+
+class RemoteReward:
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"rewards.remote.url: expected an http(s) URL, got {url!r}")
+        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list) -> list[float]:
+        body = json.dumps({"prompts": prompts, "completions": completions, "answers": answers}).encode()
+        last_error = None
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    reply = json.loads(resp.read().decode())
+                break
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:  # the endpoint refused the request: retrying will not help
+                    raise RuntimeError(f"reward endpoint {self.url} answered HTTP {exc.code}") from None
+                last_error = exc
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                last_error = exc
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2 ** attempt)
+        else:
+            raise RuntimeError(f"reward endpoint {self.url} failed {self.retries + 1} times: {last_error}")
+        rewards = reply.get("rewards") if isinstance(reply, dict) else None
+        if not isinstance(rewards, list) or len(rewards) != len(completions) or \
+                not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):
+            raise RuntimeError(f"reward endpoint {self.url}: expected {{\"rewards\": [{len(completions)} numbers]}}, "
+                               f"got {str(reply)[:200]}")
+        return [float(r) for r in rewards]

@@ -1,0 +1,150 @@
+"""A transformers ``generate`` engine with the vLLM engine's interface.
+
+Only for machines where vLLM cannot be installed (``rollout.backend: hf``, or ``auto``
+without vLLM): it is several times slower, batches without paging, and receives weights
+through the staged transports (shm_staged, broadcast, files); direct shm needs vLLM's
+loaders and falls back to staged here.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from elasticrl import backend
+from elasticrl.rollout.engine import SAMPLING_KEYS, SyncGate
+from elasticrl.weights import receive
+
+
+class HFRolloutEngine:
+    def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
+                 cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, trust_remote_code: bool):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if tp_size != 1:
+            raise ValueError("rollout.tp_size: the transformers fallback engine has no tensor parallelism; use 1")
+        t0 = time.time()
+        self.dtype = backend.resolve_dtype(dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32 if self.dtype == "fp32" else torch.bfloat16,
+            trust_remote_code=trust_remote_code).to(backend.current_device()).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.params = dict(self.model.named_parameters())
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.gate = SyncGate()
+        self._buffers: dict = {}
+        self._group = None
+        self.start_seconds = time.time() - t0
+
+    def info(self) -> dict:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "version": self.gate.version, "start_seconds": self.start_seconds, "tp_size": 1,
+                "dtype": self.dtype, "mode": "hf"}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
+        unknown = set(sampling) - SAMPLING_KEYS
+        if unknown:
+            raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
+        return self.gate.run(lambda: self._generate(prompts, sampling))[0]
+
+    def _generate(self, prompts, sampling):
+        n = sampling.get("n", 1)
+        temperature = sampling.get("temperature", 1.0)
+        if "seed" in sampling:
+            torch.manual_seed(sampling["seed"])
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        device = backend.current_device()
+        ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # n rows per prompt
+        kwargs = dict(do_sample=temperature > 0, max_new_tokens=sampling.get("max_tokens", 16), pad_token_id=pad, return_dict_in_generate=True, output_logits=True,
+                      eos_token_id=None if sampling.get("ignore_eos") else eos)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0))
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        new = out.sequences[:, width:]
+        logp = torch.stack(out.logits, 1).float().log_softmax(-1)  # raw model log-probs, as vLLM reports
+        results = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            finish = "length"
+            if eos in tokens and not sampling.get("ignore_eos"):
+                tokens = tokens[: tokens.index(eos) + 1]
+                finish = "stop"
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for stop in sampling.get("stop") or []:
+                if stop in text:
+                    text, finish = text[: text.index(stop)], "stop"
+            results.append({"prompt_index": row // n, "token_ids": tokens, "text": text, "finish_reason": finish,
+                            "logprobs": [logp[row, t, tok].item() for t, tok in enumerate(tokens)],
+                            "weight_version": self.gate.version})
+        return results
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], int]:
+        def run():
+            out = []
+            for s in sequences:
+                logits = self.model(torch.tensor([s], device=backend.current_device())).logits[0].float()
+                lp = logits.log_softmax(-1)
+                out.append([lp[t - 1, s[t]].item() for t in range(1, len(s))])
+            return out
+        return self.gate.run(run)
+
+    # --- weights: the staged transports ----------------------------------------------------
+    def _load(self, weights) -> int:
+        for name, t in weights:
+            if name not in self.params:
+                raise ValueError(f"weight sync: {name!r} is not a parameter of the rollout model")
+            self.params[name].data.copy_(t)
+        return receive.nbytes_of(weights)
+
+    def begin_sync(self) -> int:
+        self.gate.begin()
+        return 1
+
+    def finish_sync(self, version: int) -> None:
+        self.gate.finish(version)
+
+    def share_weights(self) -> list[dict]:
+        return [{"path": None, "nbytes": 0, "plans": {}, "unplanned": ["(transformers engine)"]}]
+
+    def load_shm(self, path: str, nbytes: int, metas: list) -> int:
+        return self._load(receive.from_shm(self._buffers, path, nbytes, metas))
+
+    def release_shm(self, path: str) -> None:
+        self._buffers.pop(path, None)
+
+    def join_group(self, addr, port, rank_offset, world_size, backend_name, timeout_s) -> None:
+        from elasticrl.weights.group import new_group
+
+        self._group = new_group(addr, port, rank_offset, world_size, backend_name, timeout_s)
+
+    def load_broadcast(self, metas: list, nbytes: int) -> int:
+        return self._load(receive.from_broadcast(self._group, metas, nbytes, backend.current_device()))
+
+    def leave_group(self) -> None:
+        self._group = None
+
+    def load_files(self, folder: str) -> int:
+        from elasticrl.weights.shards import iter_tensors
+
+        return self._load(list(iter_tensors(folder)))
+
+    def sleep(self) -> dict:
+        return {"slept": "kept", "seconds": 0.0}
+
+    def wake(self) -> dict:
+        return {"seconds": 0.0}
+
+    def shutdown(self) -> None:
+        self._buffers = {}

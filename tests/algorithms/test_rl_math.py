@@ -1,0 +1,158 @@
+"""RL math against hand-derived values (each derivation in a comment), float-tight."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from elasticrl.algorithms.advantages import ADVANTAGES, discounted_returns, last_token_rewards
+from elasticrl.algorithms.kl import KL_ESTIMATORS
+from elasticrl.algorithms.losses import AGGREGATIONS, entropy_from_logits, policy_loss, value_loss
+from elasticrl.algorithms.normalize import RunningMoments, masked_moments, masked_whiten
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-6):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
+                               atol=tol, rtol=0)
+
+
+def test_gae_by_hand():
+    # r = [0, 0, 1], V = [.5, .6, .7], gamma 1, lambda .5, V after the end = 0:
+    # delta2 = 1 - .7 = .3            A2 = .3
+    # delta1 = .7 - .6 = .1           A1 = .1 + .5 * .3 = .25
+    # delta0 = .6 - .5 = .1           A0 = .1 + .5 * .25 = .225
+    # returns = A + V = [.725, .85, 1.0]; a padded 4th token gets 0 and its value is ignored.
+    adv, ret = ADVANTAGES["gae"](token_rewards_bt=T([[0.0, 0, 1, 0]]), values_bt=T([[0.5, 0.6, 0.7, 9.9]]),
+                                 mask_bt=T([[1.0, 1, 1, 0]]), gamma=1.0, lam=0.5)
+    close(adv, [[0.225, 0.25, 0.3, 0]])
+    close(ret, [[0.725, 0.85, 1.0, 0]])
+
+
+def test_gae_with_discount():
+    # gamma .5, lambda 1: A_t = sum_l gamma^l delta_{t+l} = G_t - V_t (Monte Carlo), r = [1, 2]:
+    # G1 = 2, G0 = 1 + .5 * 2 = 2; V = [1, 1] -> A = [1, 1]
+    adv, _ = ADVANTAGES["gae"](token_rewards_bt=T([[1.0, 2]]), values_bt=T([[1.0, 1]]), mask_bt=T([[1.0, 1]]),
+                               gamma=0.5, lam=1.0)
+    close(adv, [[1.0, 1.0]])
+
+
+def test_discounted_returns_and_last_token_rewards():
+    # G2 = 2, G1 = 0 + .5 * 2 = 1, G0 = 1 + .5 * 1 = 1.5
+    close(discounted_returns(T([[1.0, 0, 2]]), T([[1.0, 1, 1]]), 0.5), [[1.5, 1.0, 2.0]])
+    close(last_token_rewards(T([3.0, 5.0]), T([[1.0, 1, 0], [1.0, 0, 0]])), [[0, 3, 0], [5, 0, 0]])
+
+
+def test_reinforce_pp_is_the_return():
+    token_rewards = T([[-0.1, 0.9]])
+    adv, ret = ADVANTAGES["reinforce++"](token_rewards_bt=token_rewards, mask_bt=T([[1.0, 1]]), gamma=1.0)
+    close(adv, [[0.8, 0.9]])  # G1 = .9, G0 = -.1 + .9
+    close(ret, adv)
+
+
+def test_reinforce_pp_baseline_centres_the_outcome_in_its_group():
+    # outcomes [1, 0] (one group of 2): centred [.5, -.5]; KL penalty -.1 per token;
+    # shaped rewards [[-.1, .4], [-.1, -.6]] -> returns [[.3, .4], [-.7, -.6]]
+    mask = T([[1.0, 1], [1.0, 1]])
+    token_rewards = T([[-0.1, -0.1], [-0.1, -0.1]]) + last_token_rewards(T([1.0, 0.0]), mask)
+    adv, _ = ADVANTAGES["reinforce++_baseline"](rewards_b=T([1.0, 0.0]), token_rewards_bt=token_rewards,
+                                                mask_bt=mask, group_size=2, gamma=1.0)
+    close(adv, [[0.3, 0.4], [-0.7, -0.6]])
+
+
+def test_group_estimators():
+    rewards = T([1.0, 0, 0, 1])
+    mask = T([[1.0, 1]] * 4)
+    # GRPO: mean .5, unbiased std sqrt(4 * .25 / 3) = 1/sqrt(3); A = +-.5 sqrt(3) = +-.866025
+    adv, _ = ADVANTAGES["grpo"](rewards_b=rewards, mask_bt=mask, group_size=4)
+    close(adv[:, 0], [0.5 / (1 / math.sqrt(3) + 1e-6) * s for s in (1, -1, -1, 1)])
+    close(adv[:, 1], adv[:, 0])
+    # Dr. GRPO: r - mean = +-.5
+    close(ADVANTAGES["dr_grpo"](rewards_b=rewards, mask_bt=mask, group_size=4)[0][:, 0], [0.5, -0.5, -0.5, 0.5])
+    # RLOO: r=1 -> 1 - (0+0+1)/3 = 2/3; r=0 -> 0 - (1+0+1)/3 = -2/3
+    close(ADVANTAGES["rloo"](rewards_b=rewards, mask_bt=mask, group_size=4)[0][:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    # padding stays 0
+    adv, _ = ADVANTAGES["dr_grpo"](rewards_b=T([1.0, 0]), mask_bt=T([[1.0, 0], [1.0, 1]]), group_size=2)
+    close(adv, [[0.5, 0], [-0.5, -0.5]])
+
+
+def test_group_estimators_refuse_bad_groups():
+    with pytest.raises(ValueError, match="rl.samples_per_prompt"):
+        ADVANTAGES["grpo"](rewards_b=T([1.0, 0, 1]), mask_bt=T([[1.0]] * 3), group_size=2)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
+        ADVANTAGES.get_or_raise("ppo2", "rl.advantage")
+
+
+def test_kl_estimators():
+    # p = .5, p_ref = .25: r = log(p_ref/p) = -ln 2
+    # k1 = ln 2; k2 = (ln 2)^2 / 2; k3 = e^-ln2 - 1 + ln 2 = .5 - 1 + ln 2
+    lp, ref = T([math.log(0.5)]), T([math.log(0.25)])
+    close(KL_ESTIMATORS["k1"](lp, ref), [math.log(2)])
+    close(KL_ESTIMATORS["k2"](lp, ref), [0.5 * math.log(2) ** 2])
+    close(KL_ESTIMATORS["k3"](lp, ref), [0.5 - 1 + math.log(2)])
+    close(KL_ESTIMATORS["k3"](lp, lp), [0.0])
+
+
+def test_policy_loss_clipping_dual_clip_and_clip_higher():
+    # token 0: ratio 1.5, A = +1 -> min(1.5, clip 1.2) = 1.2 -> loss -1.2 (clipped)
+    # token 1: ratio 4,   A = -1 -> min(-4, -1.2) = -4   -> loss 4; dual clip c = 3 caps it at 3
+    lp = T([[math.log(1.5), math.log(4.0)]])
+    old = T([[0.0, 0.0]])
+    adv = T([[1.0, -1.0]])
+    mask = T([[1.0, 1.0]])
+    loss, stats = policy_loss(lp, old, adv, mask)
+    close(loss, (-1.2 + 4.0) / 2)
+    assert stats["clip_frac"] == pytest.approx(0.5)  # token 0 only
+    loss, _ = policy_loss(lp, old, adv, mask, dual_clip=3.0)
+    close(loss, (-1.2 + 3.0) / 2)
+    loss, _ = policy_loss(lp, old, adv, mask, clip_high=0.28)  # clip-higher: 1.28 for A > 0
+    close(loss, (-1.28 + 4.0) / 2)
+    # at ratio 1 the gradient is -A (the policy-gradient estimator)
+    lp1 = T([[0.0, 0.0]], requires_grad=True)
+    policy_loss(lp1, old, adv, mask)[0].backward()
+    close(lp1.grad, [[-0.5, 0.5]])
+
+
+def test_value_loss_clipping():
+    # V 1.5, V_old 1.0, R 2.0, clip .2: (1.5-2)^2 = .25, clipped V 1.2 -> (1.2-2)^2 = .64
+    # -> .5 * max = .32; unclipped .5 * .25 = .125
+    v, old, ret, mask = T([[1.5]]), T([[1.0]]), T([[2.0]]), T([[1.0]])
+    close(value_loss(v, old, ret, mask, clip=0.2), 0.32)
+    close(value_loss(v, old, ret, mask, clip=None), 0.125)
+
+
+def test_entropy():
+    # logits [0, 0]: uniform over 2 -> ln 2; logits [0, ln 3]: p = [.25, .75]
+    close(entropy_from_logits(T([[[0.0, 0.0], [0.0, math.log(3)]]])),
+          [[math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
+
+
+def test_aggregations():
+    loss = T([[1.0, 2, 3], [4.0, 9, 9]])
+    mask = T([[1.0, 1, 1], [1.0, 0, 0]])
+    close(AGGREGATIONS["token_mean"](loss, mask), 10 / 4)
+    close(AGGREGATIONS["token_mean"](loss, mask, num_tokens=T(8.0)), 10 / 8)  # global count over ranks
+    close(AGGREGATIONS["seq_mean_token_mean"](loss, mask), (2 + 4) / 2)
+    close(AGGREGATIONS["seq_sum_norm"](loss, mask), 10 / (2 * 3))
+    close(AGGREGATIONS["seq_sum_norm"](loss, mask, norm_length=5), 10 / (2 * 5))
+
+
+def test_whitening_and_global_moments():
+    # [1, 2, 3] (+ a masked 100): mean 2, population var 2/3
+    x, mask = T([1.0, 2, 3, 100]), T([1.0, 1, 1, 0])
+    s = math.sqrt(2 / 3)
+    close(masked_whiten(x, mask), [-1 / s, 0, 1 / s, 0])
+    # the same from two "ranks" whose moments are summed (an all-reduce)
+    moments = masked_moments(T([1.0, 2]), T([1.0, 1])) + masked_moments(T([3.0]), T([1.0]))
+    close(masked_whiten(T([3.0]), T([1.0]), moments), [1 / s])
+
+
+def test_running_moments_merge_batches():
+    rm = RunningMoments()
+    rm.update(T([1.0, 2, 3]))
+    rm.update(T([4.0, 5]))
+    assert rm.mean == pytest.approx(3.0, abs=1e-12) and rm.var == pytest.approx(2.0, abs=1e-12)
+    close(rm.normalize(T([3.0 + math.sqrt(2)])), [1.0])
+    close(rm.normalize(T([100.0]), clip=5.0), [5.0])
