@@ -1,12 +1,12 @@
 # The two set-up commands of the README. Each installs what it needs first (.venv/).
-OUT ?= runs/tiny_sft
+OUT ?= runs/tiny_grpo
 
 .PHONY: demo test install clean
 install:
 	@bash scripts/install.sh
 
 demo: install
-	.venv/bin/elasticrl run examples/tiny_sft.yaml --output $(OUT)
+	.venv/bin/elasticrl run examples/tiny_grpo.yaml --output $(OUT)
 
 test: install
 	.venv/bin/python -m pytest -q

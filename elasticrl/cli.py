@@ -41,7 +41,7 @@ def run(
         summary = run_job(job, output)
     except (SpecError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc), 2)
-    except RoleError as exc:
+    except (RoleError, RuntimeError) as exc:  # a rank, an engine or a reward source failed
         log = output / "error.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("".join(traceback.format_exception(exc)))
@@ -49,19 +49,24 @@ def run(
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     typer.echo(json.dumps({"output": str(output), **summary}, default=str))
+    from elasticrl.trainers.plot import plot_run
+
+    plot_run(output)
+    typer.echo(f"curves: {output / 'plots'}/  (metrics: {output / 'metrics.jsonl'})")
 
 
 @app.command("spec")
 def spec_reference(
     path: Optional[Path] = typer.Argument(None, help="Validate this spec and print it resolved."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field (repeatable)."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the reference as a Markdown table."),
 ):
     """Print every spec field with its default and meaning, or a spec resolved."""
     from elasticrl.spec import SpecError, describe, load_spec, spec_to_dict
 
     if path is None:
         for field, default, doc in describe():
-            typer.echo(f"{field:34} {default:10} {doc}")
+            typer.echo(f"| `{field}` | `{default}` | {doc} |" if markdown else f"{field:34} {default:10} {doc}")
         return
     try:
         import yaml
@@ -69,6 +74,158 @@ def spec_reference(
         typer.echo(yaml.safe_dump(spec_to_dict(load_spec(path, set_ or [])), sort_keys=False), nl=False)
     except SpecError as exc:
         _fail(str(exc), 2)
+
+
+@app.command()
+def launch(
+    spec: Path = typer.Argument(..., help="Job spec (YAML), relative to the job's working directory."),
+    scheduler: str = typer.Option("local_cwd", "--scheduler", "-s", help="local_cwd, slurm or kubernetes."),
+    output: str = typer.Option("runs/launch", "--output", "-o", help="The job's output folder."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field (repeatable)."),
+    cfg: Optional[str] = typer.Option(None, "--cfg", help="Scheduler options: partition=debug,time=30,..."),
+    dryrun: bool = typer.Option(False, "--dryrun", help="Print the app and the scheduler's request; submit nothing."),
+    gpus: int = typer.Option(0, "--gpus", help="GPUs to plan for (with --gpu-mem); 0: size pools in CPUs."),
+    gpu_mem: float = typer.Option(0, "--gpu-mem", help="Memory of one GPU, GB."),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes the GPUs are spread over."),
+    image: Optional[str] = typer.Option(None, "--image", help="Working dir (local_cwd, slurm) or container image."),
+    detach: bool = typer.Option(False, "--detach", help="Return after submitting (not for local_cwd)."),
+):
+    """Launch a job through TorchX: a Ray head plus node pools, on local processes, Slurm or Kubernetes.
+
+    Prints the plan and the app handle, then streams the head's log until the job ends; the
+    exit code is the job's. `elasticrl status|logs|cancel HANDLE` work from another shell
+    (Slurm; local_cwd apps live only as long as this command)."""
+    from launch import submit
+    from elasticrl.plan import Inventory, PlanError, plan_job, render
+    from elasticrl.spec import SpecError, explicit_fields, load_spec, read_raw
+
+    if scheduler not in submit.SCHEDULERS:
+        _fail(f"--scheduler: expected one of {', '.join(submit.SCHEDULERS)}, got {scheduler!r}", 2)
+    if detach and scheduler == "local_cwd":
+        _fail("--detach: local_cwd apps end with the command that launched them; use slurm or kubernetes", 2)
+    sets = list(set_ or [])
+    try:
+        raw = read_raw(spec, sets)
+        job = load_spec(raw, check_paths=scheduler == "local_cwd")
+        plan = inventory = None
+        if gpus:
+            inventory = Inventory(gpus, gpu_mem, nodes)
+            plan = plan_job(job, inventory, explicit_fields(raw))
+            typer.echo(render(plan))
+            sets += plan.overrides()
+        pools = submit.pool_args(job, plan, inventory)
+        app_def = submit.build_app(str(spec), output, sets, pools, scheduler, image)
+        described = submit.describe_app(app_def)  # before TorchX adds its scheduler's variables
+        info = submit.dryrun(app_def, scheduler, submit.parse_cfg(cfg))
+    except (SpecError, PlanError, ValueError) as exc:
+        _fail(f"{spec}: {exc}", 2)
+    typer.echo("pools: " + ", ".join(f"{r.name} {r.num_replicas} x (cpu {r.resource.cpu}, gpu {r.resource.gpu}, "
+                                     f"{r.resource.memMB // 1024} GB)" for r in app_def.roles))
+    if dryrun:
+        typer.echo(described)
+        typer.echo(f"--- {scheduler} request ---")
+        typer.echo(str(info))
+        return
+    handle = submit.runner().schedule(info)
+    typer.echo(f"app handle: {handle}")
+    if detach:
+        return
+    try:
+        for line in submit.log_lines(handle, "head", tail=True):
+            typer.echo(line.rstrip("\n"), err=True)
+    except Exception as exc:  # the log may vanish with the app; the state below decides
+        typer.echo(f"(log stream ended: {exc})", err=True)
+    final = submit.wait(handle)
+    state = str(final.state).split(".")[-1] if final else submit.status(handle)[0]
+    typer.echo(f"{handle}: {state}")
+    if state != "SUCCEEDED":
+        _fail(f"the job ended {state}; see elasticrl logs {handle} --role train, and {output}/logs", 1)
+
+
+@app.command()
+def status(handle: str = typer.Argument(..., help="The app handle printed by elasticrl launch.")):
+    """Show an app's state (and its replicas' where the scheduler tells)."""
+    from launch import submit
+
+    try:
+        state, detail = submit.status(handle)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    typer.echo(f"{handle}: {state}" + (f"  ({detail})" if detail else ""))
+
+
+@app.command()
+def logs(
+    handle: str = typer.Argument(..., help="The app handle printed by elasticrl launch."),
+    role: str = typer.Option("head", "--role", help="head, train or rollout."),
+    replica: int = typer.Option(0, "--replica", help="Which replica of the role."),
+    tail: bool = typer.Option(False, "--tail", "-f", help="Follow until the app ends."),
+):
+    """Print a replica's log (Slurm: its stderr, where elasticrl logs)."""
+    from launch import submit
+
+    try:
+        for line in submit.log_lines(handle, role, replica, tail):
+            typer.echo(line.rstrip("\n"))
+    except ValueError as exc:
+        _fail(str(exc), 2)
+
+
+@app.command()
+def cancel(handle: str = typer.Argument(..., help="The app handle printed by elasticrl launch.")):
+    """Cancel an app."""
+    from launch import submit
+
+    try:
+        submit.cancel(handle)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    typer.echo(f"{handle}: cancel requested")
+
+
+@app.command("plan")
+def plan_cmd(
+    spec: Path = typer.Argument(..., help="Job spec (YAML)."),
+    gpus: int = typer.Option(..., "--gpus", help="GPUs in all."),
+    gpu_mem: float = typer.Option(..., "--gpu-mem", help="Memory of one GPU, GB."),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes the GPUs are spread over (evenly)."),
+    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="Host memory per node, GB (checked if given)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override or pin a field (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+):
+    """Fit a job's roles to GPUs: ZeRO stage, offload, colocation, vLLM TP and engines, micro-batch.
+
+    Fields the spec sets itself are pinned (checked, not changed). Prints predicted memory per
+    GPU and the --set overrides that realise the plan."""
+    from elasticrl.plan import Inventory, PlanError, plan_job, render
+    from elasticrl.spec import SpecError, explicit_fields, load_spec, read_raw
+
+    try:
+        raw = read_raw(spec, set_ or [])
+        job = load_spec(raw, check_paths=False)
+        plan = plan_job(job, Inventory(gpus, gpu_mem, nodes, host_mem), explicit_fields(raw))
+    except (SpecError, PlanError, ValueError) as exc:
+        _fail(f"{spec}: {exc}", 2)
+    if as_json:
+        typer.echo(json.dumps({"settings": plan.settings, "pinned": plan.pinned, "overrides": plan.overrides(),
+                               "peak_gb_per_gpu": {g: round(v["peak"] / 1e9, 2) for g, v in plan.groups.items()},
+                               "host_gb": round(plan.host_bytes / 1e9, 1)}))
+        return
+    typer.echo(render(plan))
+    typer.echo("run it with: " + " ".join(f"--set {o}" for o in plan.overrides()))
+
+
+@app.command()
+def plot(run_dir: Path = typer.Argument(..., help="A run's --output folder (holds metrics.jsonl).")):
+    """Write PNG curves of a run's metrics into RUN_DIR/plots/."""
+    from elasticrl.trainers.plot import plot_run
+
+    try:
+        files = plot_run(run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc), 2)
+    for f in files:
+        typer.echo(str(f))
 
 
 def _quiet_libraries() -> None:

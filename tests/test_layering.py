@@ -35,3 +35,11 @@ def test_nothing_imports_the_cli():
     for path in PKG.rglob("*.py"):
         if path.name != "cli.py":
             assert "elasticrl.cli" not in _imports(path), path
+
+
+def test_the_planner_is_arithmetic_on_the_spec():
+    """`elasticrl plan` must answer in well under a second on a laptop: no distributed stack."""
+    banned = ("ray", "deepspeed", "vllm", "torch", "elasticrl.cluster", "elasticrl.engine", "elasticrl.trainers")
+    for path in (PKG / "plan").rglob("*.py"):
+        bad = [m for m in _imports(path) if m.startswith(banned)]
+        assert not bad, f"{path.name} imports {bad}"

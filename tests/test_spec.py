@@ -51,7 +51,13 @@ BAD = [
     ({"train": {"lr": 0}}, [], "train.lr: expected a number > 0, got 0.0"),
     ({"train": {"zero_stage": 4}}, [], "train.zero_stage: expected one of 0, 1, 2, 3, got 4"),
     ({"model": {"dtype": "fp16"}}, [], "model.dtype: expected one of 'auto', 'bf16', 'fp32', got 'fp16'"),
-    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', got 'ppx'"),
+    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', 'rm', 'grpo', 'ppo', 'reinforce++', 'rloo', "
+                              "got 'ppx' (did you mean 'ppo'?)"),
+    ({"rl": {"samples_per_prompt": 1}, "algorithm": "grpo"}, [],
+     "rl.samples_per_prompt: grpo compares samples of a prompt: needs >= 2, got 1"),
+    ({"rewards": {"functions": [{"path": "x:y", "wieght": 2}]}}, [],
+     "rewards.functions[0].wieght: unknown field; did you mean 'weight'?"),
+    ({"rewards": {"remote": [{"url": "ftp://x"}]}}, [], "rewards.remote[0].url: expected an http(s) URL"),
     ({"train": {"num_ranks": True}}, [], "train.num_ranks: expected a positive integer, got True"),
     ({"train": "fast"}, [], "train: expected a section (mapping of fields), got 'fast'"),
     ({"model": {"trust_remote_code": "yes"}}, [], "model.trust_remote_code: expected true or false, got 'yes'"),
@@ -114,4 +120,4 @@ def test_cli_spec_prints_resolved(tmp_path):
 def test_readme_documents_every_field():
     readme = (EXAMPLES.parent / "README.md").read_text()
     missing = [path for path, _, _ in describe() if f"| `{path}` |" not in readme]
-    assert missing == [], f"README's spec reference lacks {missing}; regenerate it from describe()"
+    assert missing == [], f"README's spec reference lacks {missing}; regenerate: elasticrl spec --markdown"

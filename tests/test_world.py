@@ -15,11 +15,12 @@ from elasticrl.world.tokenizer import VOCAB_SIZE, build_tokenizer
 
 # Recorded from a build of the default world (torch 2.13.0, transformers 5.19.0). A change
 # here means users' worlds changed: bump build.FORMAT_VERSION and record the new values.
-DEFAULT_WORLD_SHA256 = "4f32be3ce1bcab4d74988b243859e02b157375d777b8e00de8b299c2ec326ded"
+DEFAULT_WORLD_SHA256 = "36f1e1934e00edd947d6be89f7b8a52eda216cfea34f3751439dc70f396e3484"
 DEFAULT_DATA_SHA256 = {
     "eval.jsonl": "b3ec73d17c4b02c2a0fd64d369c3a01b1afd4c2c324cd8c364292c40d769c572",
-    "preference.jsonl": "5f79d70df8064441637baf8e978e9668ec18823d9de7fa6b045ec7268fcda794",
-    "rl_prompts.jsonl": "b64db77af4d3cbcb1b8d4b030a8e497883de3de21aad33b6ef1504ac27625972",
+    "preference.jsonl": "ac9d77a7e9bc054758080ae7edb97b5856823a9440da0d14c652810e69d49af2",
+    "preference_eval.jsonl": "2b40b3876ef5951f57ecebe2000c0916aba8b5cd24e50f50499080169aa69841",
+    "rl_prompts.jsonl": "45600853b9c97bcdb7c44e49677b4da859f2811f57ccc972157b83909869c625",
     "sft.jsonl": "e6cfbdecd7fb2f28f99df76e237124d17f12e29d4d110b7830b6adf17195ff56",
 }
 

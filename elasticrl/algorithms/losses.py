@@ -9,33 +9,44 @@ from elasticrl.algorithms.registry import Registry
 AGGREGATIONS = Registry("loss aggregation")
 
 
+# Each aggregation divides a local sum by a denominator; passing the denominator counted over
+# the whole (global) batch makes the sum of every rank's and micro-batch's loss the exact
+# global mean, whatever the data-parallel size and gradient accumulation.
+
 @AGGREGATIONS.register("token_mean")
 def token_mean(loss_bt, mask_bt, num_tokens=None, **_):
-    """Sum over every real token / number of real tokens (``num_tokens`` overrides the count,
-    e.g. with the count over all data-parallel ranks)."""
-    return (loss_bt * mask_bt).sum() / (mask_bt.sum() if num_tokens is None else num_tokens).clamp(min=1)
+    """Sum over real tokens / number of real tokens (``num_tokens``: the global count)."""
+    denom = mask_bt.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_bt.dtype)
+    return (loss_bt * mask_bt).sum() / denom.clamp(min=1)
 
 
 @AGGREGATIONS.register("seq_mean_token_mean")
-def seq_mean_token_mean(loss_bt, mask_bt, **_):
+def seq_mean_token_mean(loss_bt, mask_bt, num_seqs=None, **_):
     """Mean over responses of each response's token mean (the original GRPO)."""
-    return ((loss_bt * mask_bt).sum(1) / mask_bt.sum(1).clamp(min=1)).mean()
+    per_seq = (loss_bt * mask_bt).sum(1) / mask_bt.sum(1).clamp(min=1)
+    return per_seq.sum() / (loss_bt.shape[0] if num_seqs is None else num_seqs)
 
 
 @AGGREGATIONS.register("seq_sum_norm")
-def seq_sum_norm(loss_bt, mask_bt, norm_length=None, **_):
+def seq_sum_norm(loss_bt, mask_bt, norm_length=None, num_seqs=None, **_):
     """Token sum / (responses x a constant length): Dr. GRPO's length-unbiased form."""
     norm = norm_length if norm_length is not None else mask_bt.shape[1]
-    return (loss_bt * mask_bt).sum() / (mask_bt.shape[0] * norm)
+    return (loss_bt * mask_bt).sum() / ((loss_bt.shape[0] if num_seqs is None else num_seqs) * norm)
+
+
+def aggregate(loss_bt, mask_bt, aggregation: str = "token_mean", **kwargs):
+    return AGGREGATIONS.get_or_raise(aggregation, "rl.loss_aggregation")(loss_bt, mask_bt, **kwargs)
 
 
 def policy_loss(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, *, clip_low=0.2, clip_high=0.2,
-                dual_clip=None, aggregation="token_mean", **agg_kwargs):
+                dual_clip=None, token_weights_bt=None, aggregation="token_mean", **agg_kwargs):
     """Clipped surrogate loss.
 
     ratio = exp(logp - logp_old); loss_t = -min(ratio A, clip(ratio, 1-clip_low, 1+clip_high) A).
     ``clip_high > clip_low`` is DAPO's clip-higher. With ``dual_clip = c > 1``, for A < 0 the
-    loss is also capped at -c A (the ratio cannot push it further). Returns (loss, stats).
+    loss is also capped at -c A (the ratio cannot push it further). ``token_weights_bt``
+    (no gradient) scales each token, e.g. truncated importance weights of off-policy samples.
+    Returns (loss, stats).
     """
     ratio = torch.exp(logprobs_bt - old_logprobs_bt)
     surr1 = ratio * advantages_bt
@@ -45,7 +56,9 @@ def policy_loss(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, *, clip_lo
         if dual_clip <= 1:
             raise ValueError(f"rl.dual_clip: must be > 1, got {dual_clip}")
         loss_bt = torch.where(advantages_bt < 0, torch.min(loss_bt, -dual_clip * advantages_bt), loss_bt)
-    loss = AGGREGATIONS.get_or_raise(aggregation, "rl.loss_aggregation")(loss_bt, mask_bt, **agg_kwargs)
+    if token_weights_bt is not None:
+        loss_bt = loss_bt * token_weights_bt.detach()
+    loss = aggregate(loss_bt, mask_bt, aggregation, **agg_kwargs)
     with torch.no_grad():
         clipped = ((surr2 < surr1).float() * mask_bt).sum() / mask_bt.sum().clamp(min=1)
         approx_kl = (0.5 * (logprobs_bt - old_logprobs_bt) ** 2 * mask_bt).sum() / mask_bt.sum().clamp(min=1)
@@ -59,7 +72,7 @@ def value_loss(values_bt, old_values_bt, returns_bt, mask_bt, *, clip=0.2, aggre
     if clip is not None:
         clipped = old_values_bt + (values_bt - old_values_bt).clamp(-clip, clip)
         loss_bt = torch.max(loss_bt, (clipped - returns_bt) ** 2)
-    return 0.5 * AGGREGATIONS.get_or_raise(aggregation, "rl.loss_aggregation")(loss_bt, mask_bt, **agg_kwargs)
+    return 0.5 * aggregate(loss_bt, mask_bt, aggregation, **agg_kwargs)
 
 
 def entropy_from_logits(logits_btv: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from elasticrl import backend
 
 
+POOL_PREFIX = "elasticrl_pool_"  # the custom resource a pool's Ray nodes carry (launch/node.py)
+
+
+def pool_resource(pool: str | None) -> dict:
+    return {POOL_PREFIX + pool: 1.0} if pool else {}
+
+
 class RoleError(RuntimeError):
     """A rank of a role failed; the message names the role, the rank and the cause."""
 
@@ -31,17 +38,29 @@ def _free_address(_self) -> tuple[str, int]:
 class RoleGroup:
     def __init__(self, role: str, actor_cls, num_ranks: int, *args, gpus_per_rank: float = 1.0,
                  cpus_per_rank: float = 1.0, place_timeout_s: float = 300, actor_options: dict | None = None,
-                 **kwargs):
+                 shared=None, pool: str | None = None, **kwargs):
+        """``shared``: a ``placement.SharedBundles`` when this role is colocated with others;
+        ``pool``: the node pool (``elasticrl launch``) whose nodes must host the ranks."""
         self.role = role
         self.num_ranks = num_ranks
-        bundles = [backend.bundle(gpus_per_rank, cpus_per_rank) for _ in range(num_ranks)]
-        self.pg = placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}-{uuid.uuid4().hex[:8]}")
-        ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
-        if not ready:
-            remove_placement_group(self.pg)
-            raise RoleError(f"{role}: could not place {num_ranks} rank(s) of {bundles[0]} within "
-                            f"{place_timeout_s:.0f}s; the cluster offers {ray.available_resources()}. "
-                            "Lower the rank count or add nodes.")
+        self.owns_pg = shared is None
+        if shared is not None:
+            self.pg = shared.pg
+        else:
+            bundles = [{**backend.bundle(gpus_per_rank, cpus_per_rank), **pool_resource(pool)}
+                       for _ in range(num_ranks)]
+            total = ray.cluster_resources()
+            for key in bundles[0]:
+                if bundles[0][key] * num_ranks > total.get(key, 0):  # can never fit: say so now
+                    raise RoleError(f"{role}: {num_ranks} rank(s) need {bundles[0][key] * num_ranks:g} {key} but "
+                                    f"the whole cluster has {total.get(key, 0):g}. Lower the rank count or add nodes.")
+            self.pg = placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}-{uuid.uuid4().hex[:8]}")
+            ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
+            if not ready:
+                remove_placement_group(self.pg)
+                raise RoleError(f"{role}: could not place {num_ranks} rank(s) of {bundles[0]} within "
+                                f"{place_timeout_s:.0f}s; the cluster offers {ray.available_resources()}. "
+                                "Lower the rank count or add nodes.")
         remote_cls = ray.remote(actor_cls)
         self.actors = [
             remote_cls.options(
@@ -82,4 +101,5 @@ class RoleGroup:
     def shutdown(self) -> None:
         for a in self.actors:
             ray.kill(a, no_restart=True)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)

@@ -21,6 +21,39 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
+def _zero3_context(ds_config: dict | None):
+    if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        return HfDeepSpeedConfig(ds_config)  # must stay alive through from_pretrained
+    return None
+
+
+def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None):
+    """A model with a scalar head on every position (critic, reward model).
+
+    Uses the architecture's sequence-classification class with one label, so the result
+    saves and loads as a standard Hugging Face reward model. From a causal-LM checkpoint
+    the head starts random (seeded); from a reward-model checkpoint it is loaded.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    keep_alive = _zero3_context(ds_config)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    del keep_alive
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def token_values(model, input_ids, attention_mask):
+    """Scalar head applied at every position: [B, T]."""
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
 def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None):
     """Load fp32 weights (DeepSpeed keeps fp32 masters and casts the module for bf16).
 
@@ -29,11 +62,7 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
     """
     from transformers import AutoModelForCausalLM
 
-    keep_alive = None
-    if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
-        from transformers.integrations import HfDeepSpeedConfig
-
-        keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must live through from_pretrained
+    keep_alive = _zero3_context(ds_config)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)
     del keep_alive

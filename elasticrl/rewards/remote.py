@@ -26,7 +26,7 @@ class RemoteReward:
             req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    reply = json.loads(resp.read().decode())
+                    raw = resp.read()
                 break
             except urllib.error.HTTPError as exc:
                 if exc.code < 500:  # the endpoint refused the request: retrying will not help
@@ -38,6 +38,10 @@ class RemoteReward:
                 time.sleep(self.backoff_s * 2 ** attempt)
         else:
             raise RuntimeError(f"reward endpoint {self.url} failed {self.retries + 1} times: {last_error}")
+        try:
+            reply = json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError):
+            raise RuntimeError(f"reward endpoint {self.url}: the reply is not JSON: {raw[:200]!r}") from None
         rewards = reply.get("rewards") if isinstance(reply, dict) else None
         if not isinstance(rewards, list) or len(rewards) != len(completions) or \
                 not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):

@@ -28,13 +28,16 @@ def engine_class(requested: str):
 
 
 class RolloutPool:
-    def __init__(self, model_path: str, spec: RolloutSpec, dtype: str, seed: int, trust_remote_code: bool = False):
+    def __init__(self, model_path: str, spec: RolloutSpec, dtype: str, seed: int, trust_remote_code: bool = False,
+                 shared=None, pool: str | None = None):
         self.spec = spec
         env = backend.rollout_env(spec.tp_size, spec.kv_cache_gib, spec.cpus_per_engine)
+        where = shared.options() if shared is not None else {"gpus_per_rank": spec.tp_size,
+                                                             "cpus_per_rank": spec.cpus_per_engine, "pool": pool}
         self.group = RoleGroup(
             "rollout", engine_class(spec.backend), spec.num_engines, model_path, spec.tp_size, dtype, seed,
             spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, trust_remote_code,
-            gpus_per_rank=spec.tp_size, cpus_per_rank=spec.cpus_per_engine,
+            **where,
             # Threads let generation wait while a weight sync is in progress (see engine.py).
             actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})
         self.engines = self.group.actors
@@ -45,16 +48,23 @@ class RolloutPool:
         size = -(-len(items) // n)
         return [(i * size, items[i * size:(i + 1) * size]) for i in range(n) if items[i * size:(i + 1) * size]]
 
-    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
-        """Completions of every prompt (``n`` each), ordered by prompt, each with its index."""
+    def submit(self, prompts: list[list[int]], sampling: dict):
+        """Start generating; ``collect`` the returned handle later (async rollouts)."""
         chunks = self._split(prompts)
-        refs = [self.engines[i].generate.remote(chunk, sampling) for i, (_, chunk) in enumerate(chunks)]
+        return chunks, [self.engines[i].generate.remote(chunk, sampling) for i, (_, chunk) in enumerate(chunks)]
+
+    def collect(self, handle) -> list[dict]:
+        """Completions of every prompt (``n`` each), ordered by prompt, each with its index."""
+        chunks, refs = handle
         results = []
         for (start, _), part in zip(chunks, self.group._get(refs)):
             for r in part:
                 r["prompt_index"] += start
                 results.append(r)
         return results
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
+        return self.collect(self.submit(prompts, sampling))
 
     def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], list[int]]:
         chunks = self._split(sequences)

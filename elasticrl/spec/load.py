@@ -5,6 +5,7 @@ Every error names the field path and what would fix it, e.g.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -27,19 +28,39 @@ class SpecError(ValueError):
         super().__init__(f"{path}: {message}" if path else message)
 
 
-def load_spec(source: str | os.PathLike | dict | None = None, overrides: list[str] = ()) -> JobSpec:
-    """Build a validated ``JobSpec`` from a YAML file (or dict) plus ``a.b=c`` overrides."""
+def load_spec(source: str | os.PathLike | dict | None = None, overrides: list[str] = (),
+              check_paths: bool = True) -> JobSpec:
+    """Build a validated ``JobSpec`` from a YAML file (or dict) plus ``a.b=c`` overrides.
+    ``check_paths=False`` skips the checks that model and data paths exist here (planning a
+    job for another machine)."""
+    spec = _convert(JobSpec, read_raw(source, overrides), "")
+    _check_cross_fields(spec, check_paths)
+    return spec
+
+
+def read_raw(source: str | os.PathLike | dict | None = None, overrides: list[str] = ()) -> dict:
+    """The user's own fields (YAML plus overrides), before defaults and validation."""
     if source is None:
         raw: Any = {}
     elif isinstance(source, dict):
-        raw = source
+        raw = copy.deepcopy(source)
     else:
         raw = _read_yaml(Path(source))
     for item in overrides:
         _apply_override(raw, item)
-    spec = _convert(JobSpec, raw, "")
-    _check_cross_fields(spec)
-    return spec
+    return raw
+
+
+def explicit_fields(raw: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted path -> value of every leaf the user wrote (what the planner must not change)."""
+    out = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(explicit_fields(value, path + "."))
+        else:
+            out[path] = value
+    return out
 
 
 def _read_yaml(path: Path) -> dict:
@@ -106,6 +127,11 @@ def _convert(tp, value: Any, path: str, meta: dict | None = None) -> Any:
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise SpecError(path, f"expected one of {shown}, got {value!r}{extra}")
+    if origin is list:
+        (item,) = get_args(tp)
+        if not isinstance(value, list):
+            raise SpecError(path, f"expected a list, got {value!r}")
+        return [_convert(item, v, f"{path}[{i}]", meta) for i, v in enumerate(value)]
     if origin is tuple:
         args = get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -182,7 +208,7 @@ def _convert_section(cls, value: Any, path: str):
     return cls(**kwargs)
 
 
-def _check_cross_fields(spec: JobSpec) -> None:
+def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     t = spec.train
     if t.num_ranks % t.tp_size:
         raise SpecError("train.tp_size", f"must divide train.num_ranks ({t.num_ranks}), got {t.tp_size}")
@@ -197,9 +223,35 @@ def _check_cross_fields(spec: JobSpec) -> None:
                                                 "parameters on every rank)")
     if t.offload_optimizer and t.zero_stage == 0:
         raise SpecError("train.offload_optimizer", "needs train.zero_stage >= 1")
+    if spec.placement.pools == "split" and spec.placement.colocate == "all":
+        raise SpecError("placement.pools", "'split' gives rollout engines nodes of their own, but placement.colocate "
+                                           "'all' shares every GPU with them; use pools: any")
+    rl = spec.rl
+    if spec.algorithm in ("grpo", "rloo") or rl.advantage in ("grpo", "dr_grpo", "rloo", "reinforce++_baseline"):
+        if rl.samples_per_prompt < 2:
+            raise SpecError("rl.samples_per_prompt", f"{spec.algorithm} compares samples of a prompt: needs >= 2, "
+                                                     f"got {rl.samples_per_prompt}")
+    if rl.dual_clip is not None and rl.dual_clip <= 1:
+        raise SpecError("rl.dual_clip", f"expected a number > 1 or null, got {rl.dual_clip}")
+    for i, m in enumerate(spec.rewards.models):
+        if not m.path or (check_paths and not Path(m.path).is_dir()):
+            raise SpecError(f"rewards.models[{i}].path", f"{m.path!r} is not a folder; give a reward model folder "
+                                                         "(train one with algorithm: rm)")
+    for i, r in enumerate(spec.rewards.remote):
+        if not r.url.startswith(("http://", "https://")):
+            raise SpecError(f"rewards.remote[{i}].url", f"expected an http(s) URL, got {r.url!r}")
+    if spec.algorithm in ("grpo", "ppo", "reinforce++", "rloo") and not (
+            spec.rewards.functions or spec.rewards.models or spec.rewards.remote or
+            (spec.algorithm == "ppo" and spec.init.rm_steps)):
+        raise SpecError("rewards", "an RL job needs at least one reward function, model or remote endpoint "
+                                   "(or, for ppo, init.rm_steps to train a reward model first)")
+    if spec.critic.path is not None and check_paths and not Path(spec.critic.path).is_dir():
+        raise SpecError("critic.path", f"{spec.critic.path} is not a folder")
     bad_ops = set(spec.world.operators) - set("+-*")
     if not spec.world.operators or bad_ops:
         raise SpecError("world.operators", f"expected a non-empty subset of '+-*', got {spec.world.operators!r}")
+    if not check_paths:
+        return
     if spec.model.path is not None and not Path(spec.model.path).is_dir():
         raise SpecError("model.path", f"{spec.model.path} is not a folder; give a Hugging Face model "
                                       "folder or null for the embedded tiny model")
@@ -211,11 +263,13 @@ def _check_cross_fields(spec: JobSpec) -> None:
 
 
 def spec_to_dict(spec) -> dict:
-    out = {}
-    for f in dataclasses.fields(spec):
-        v = getattr(spec, f.name)
-        out[f.name] = spec_to_dict(v) if dataclasses.is_dataclass(v) else (list(v) if isinstance(v, tuple) else v)
-    return out
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return spec_to_dict(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+    return {f.name: plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
 
 
 def dump_spec(spec: JobSpec, path: Path) -> None:
@@ -238,7 +292,9 @@ def describe(cls=JobSpec, prefix: str = "") -> list[tuple[str, str, str]]:
             rows += describe(hints[f.name], path + ".")
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        shown = yaml.safe_dump(list(default) if isinstance(default, tuple) else default,
-                               default_flow_style=True).strip().removesuffix("...").strip()
+        default = spec_to_dict(default) if dataclasses.is_dataclass(default) else default
+        if isinstance(default, (list, tuple)):
+            default = [spec_to_dict(d) if dataclasses.is_dataclass(d) else d for d in default]
+        shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
         rows.append((path, shown, f.metadata.get("doc", "")))
     return rows

@@ -52,6 +52,8 @@ class DataSpec:
     prompt_key: str = doc("Key of the prompt in each JSON line.", "prompt")
     response_key: str = doc("Key of the target response in each JSON line (SFT).", "response")
     answer_key: str = doc("Key of the reference answer in eval lines.", "answer")
+    chosen_key: str = doc("Key of the preferred response in preference lines (rm).", "chosen")
+    rejected_key: str = doc("Key of the dispreferred response in preference lines (rm).", "rejected")
     apply_chat_template: bool = doc("Wrap prompts in the tokenizer's chat template.", True)
     max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
 
@@ -108,6 +110,116 @@ class RolloutSpec:
 
 
 @dataclass
+class RLSpec:
+    """Settings of the RL trainers (ppo, grpo, reinforce++, rloo); the paper's PPO tricks are options."""
+
+    advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce++", "reinforce++_baseline"] = doc(
+        "Advantage estimator; 'auto' follows the algorithm (ppo: gae, grpo: grpo, rloo: rloo, "
+        "reinforce++: reinforce++_baseline).", "auto")
+    prompts_per_step: int = doc("Prompts rolled out per step.", 32, min=1)
+    samples_per_prompt: int = doc("Completions per prompt (n); group estimators need >= 2.", 8, min=1)
+    max_new_tokens: int = doc("Longest completion, in tokens.", 16, min=1)
+    temperature: float = doc("Sampling temperature of rollouts.", 1.0, min=0)
+    top_p: float = doc("Nucleus sampling of rollouts.", 1.0, min=0, max=1, exclusive_min=True)
+    top_k: int = doc("Top-k sampling of rollouts; 0 disables.", 0, min=0)
+    num_steps: int = doc("RL steps (rollout + update) to run.", 100, min=1)
+    epochs: int = doc("Passes over each rollout batch (PPO epochs).", 1, min=1)
+    clip_low: float = doc("PPO ratio clip below 1 (1 - clip_low).", 0.2, min=0)
+    clip_high: float = doc("PPO ratio clip above 1 (1 + clip_high); > clip_low is DAPO's clip-higher.", 0.2, min=0)
+    dual_clip: Optional[float] = doc("Dual-clip bound c > 1 for negative advantages; null disables.", None)
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"] = doc(
+        "How per-token losses become one number (seq_sum_norm is Dr. GRPO's).", "token_mean")
+    kl_coef: float = doc("KL coefficient to the reference model; 0 skips the reference entirely.", 0.0, min=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = doc("KL estimator (k3 is unbiased and non-negative).", "k1")
+    kl_mode: Literal["reward", "loss"] = doc(
+        "'reward': a per-token penalty in the reward (PPO, REINFORCE++); 'loss': a loss term (GRPO).", "reward")
+    entropy_coef: float = doc("Entropy bonus coefficient.", 0.0, min=0)
+    gamma: float = doc("Discount over tokens.", 1.0, min=0, max=1)
+    lam: float = doc("GAE lambda.", 0.95, min=0, max=1)
+    normalize_reward: bool = doc("Normalise rewards by their running mean/std (a PPO trick).", False)
+    reward_clip: Optional[float] = doc("Clip (normalised) rewards to [-c, c]; null disables.", None)
+    whiten_advantages: Literal["auto", "on", "off"] = doc(
+        "Whiten advantages with statistics over the whole batch; 'auto': on for gae and reinforce++.", "auto")
+    ptx_coef: float = doc("Weight of a pretraining (SFT) loss term on the world's SFT data (PPO-ptx).", 0.0, min=0)
+    freeze_actor_steps: int = doc("Steps during which only the critic learns (PPO warm-up trick).", 0, min=0)
+    dynamic_sampling: bool = doc("Drop prompt groups whose rewards do not vary (no learning signal).", False)
+    async_rollout: bool = doc("Overlap the rollout of step t+1 with the training of step t.", False)
+    max_staleness: int = doc("Async: most weight versions a batch may lag the policy it trains.", 1, min=1)
+    tis_cap: Optional[float] = doc(
+        "Truncated importance-sampling cap for off-policy batches (async); null disables.", 2.0)
+    eval_samples: int = doc("k of pass@k at evaluation (sampled at the rollout temperature).", 4, min=1)
+
+
+@dataclass
+class RewardFunctionSpec:
+    path: str = doc("Import path package.module:function of fn(prompt, completion, answer) -> float.",
+                    "elasticrl.rewards.functions:exact_answer")
+    weight: float = doc("Weight in the summed reward.", 1.0)
+
+
+@dataclass
+class RewardModelSpec:
+    path: str = doc("Folder of a reward model (a sequence-classification head, e.g. from algorithm: rm).", "")
+    weight: float = doc("Weight in the summed reward.", 1.0)
+
+
+@dataclass
+class RemoteRewardSpec:
+    url: str = doc("HTTP endpoint taking {prompts, completions, answers}, answering {rewards}.", "")
+    weight: float = doc("Weight in the summed reward.", 1.0)
+    timeout_s: float = doc("Seconds per request before a retry.", 30.0, min=0, exclusive_min=True)
+    retries: int = doc("Retries after a timeout, connection error or HTTP 5xx.", 3, min=0)
+
+
+@dataclass
+class RewardsSpec:
+    functions: list[RewardFunctionSpec] = doc(
+        "Python reward functions, summed with their weights.", factory=lambda: [RewardFunctionSpec()])
+    models: list[RewardModelSpec] = doc("Reward models (each a Ray role), summed with their weights.",
+                                        factory=list)
+    remote: list[RemoteRewardSpec] = doc("Remote HTTP rewards, summed with their weights.", factory=list)
+
+
+@dataclass
+class CriticSpec:
+    path: Optional[str] = doc(
+        "Critic initialisation; null uses the first reward model (a PPO trick), else the policy.", None)
+    lr: float = doc("Critic learning rate (higher than the actor's, a PPO trick).", 1e-3, min=0,
+                    exclusive_min=True)
+    value_clip: Optional[float] = doc("Clip of the value loss; null disables.", 0.2)
+    num_ranks: int = doc("Data-parallel ranks of the critic.", 1, min=1)
+
+
+@dataclass
+class PlacementSpec:
+    colocate: Literal["none", "actor_ref", "critic_reward", "actor_ref+critic_reward", "all"] = doc(
+        "Which roles share devices: actor with reference, critic with reward models, both pairs, or "
+        "everything including the rollout engines (the hybrid engine).", "none")
+    offload_idle: bool = doc("Move the frozen roles' weights (reference, reward) to host memory between "
+                             "their phases (no effect on CPU).", False)
+    reference_ranks: int = doc("Ranks of the reference model; 0 = as many as the actor. With "
+                               "train.zero_stage 3 its weights are sharded over them.", 0, min=0)
+    reward_ranks: int = doc("Ranks of each reward model; with train.zero_stage 3 its weights are sharded "
+                            "over them.", 1, min=1)
+    pools: Literal["any", "split"] = doc(
+        "Which Ray nodes host which roles: 'any'; 'split' puts rollout engines on the nodes of pool "
+        "'rollout' and every other role on pool 'train' (the node pools of elasticrl launch).", "any")
+
+
+@dataclass
+class InitSpec:
+    sft_steps: int = doc(
+        "Warm start: when model.path is null, first fine-tune the embedded model on the world's SFT data "
+        "for this many steps (cached by its settings) and start RL from it; 0 starts from the raw model.",
+        0, min=0)
+    sft_lr: float = doc("Learning rate of the warm-start SFT.", 1e-3, min=0, exclusive_min=True)
+    rm_steps: int = doc(
+        "PPO without reward models: first train a Bradley-Terry reward model on the world's preference "
+        "pairs for this many steps (from the warm start; cached) and use it as the reward.", 0, min=0)
+    rm_lr: float = doc("Learning rate of that reward model.", 5e-4, min=0, exclusive_min=True)
+
+
+@dataclass
 class EvalSpec:
     every_steps: int = doc("Evaluate held-out prompts every N steps (and at the end); 0 only at the end.",
                            100, min=0)
@@ -146,13 +258,19 @@ class RaySpec:
 class JobSpec:
     """One job: ``algorithm`` picks the trainer, the rest configures it."""
 
-    algorithm: Literal["sft"] = doc("Which trainer runs the job.", "sft")
+    algorithm: Literal["sft", "rm", "grpo", "ppo", "reinforce++", "rloo"] = doc(
+        "Which trainer runs the job.", "sft")
     seed: int = doc("Seed of model init, data order and sampling.", 1234)
     world: WorldSpec = doc("The embedded tiny world.", factory=WorldSpec)
     model: ModelSpec = doc("The model trained.", factory=ModelSpec)
     data: DataSpec = doc("Training and evaluation data.", factory=DataSpec)
     train: TrainSpec = doc("Optimisation and parallelism.", factory=TrainSpec)
     rollout: RolloutSpec = doc("vLLM rollout engines.", factory=RolloutSpec)
+    rl: RLSpec = doc("RL trainers.", factory=RLSpec)
+    rewards: RewardsSpec = doc("Where rewards come from.", factory=RewardsSpec)
+    critic: CriticSpec = doc("The critic (ppo).", factory=CriticSpec)
+    placement: PlacementSpec = doc("Colocation and offload of roles.", factory=PlacementSpec)
+    init: InitSpec = doc("Warm start before RL.", factory=InitSpec)
     eval: EvalSpec = doc("Held-out evaluation.", factory=EvalSpec)
     log: LogSpec = doc("Metrics and console output.", factory=LogSpec)
     checkpoint: CheckpointSpec = doc("Resumable checkpoints.", factory=CheckpointSpec)

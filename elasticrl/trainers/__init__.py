@@ -11,4 +11,12 @@ def run_job(spec: JobSpec, output: Path) -> dict:
         from elasticrl.trainers.sft import run_sft
 
         return run_sft(spec, output)
+    if spec.algorithm in ("grpo", "ppo", "reinforce++", "rloo"):
+        from elasticrl.trainers.rl import run_rl
+
+        return run_rl(spec, output)
+    if spec.algorithm == "rm":
+        from elasticrl.trainers.rm import run_rm
+
+        return run_rm(spec, output)
     raise ValueError(f"algorithm: {spec.algorithm!r} has no trainer yet")

@@ -35,6 +35,17 @@ class MetricsLog:
         self.fh.close()
 
 
+def finish_run(group, spec: JobSpec, output: Path, summary: dict, row: dict, progress, metrics) -> dict:
+    """Close the console and the metrics, export the final model, complete the summary."""
+    progress.close()
+    metrics.close()
+    if spec.export.enabled:
+        group.call("export", str(output / "final"))
+        summary["export"] = str(output / "final")
+    summary["final"] = row
+    return summary
+
+
 def prepare_output(spec: JobSpec, output: Path) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     dump_spec(spec, output / "spec.yaml")

@@ -12,7 +12,6 @@ Run it:
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -20,13 +19,13 @@ import torch
 from elasticrl import backend
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.cluster import RoleGroup, ray_session
+from elasticrl.cluster.placement import pool_for
 from elasticrl.data.records import pad_batch, read_jsonl, sample_indices, tokenize_sft
 from elasticrl.engine import checkpoint as ckpt
-from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed
-from elasticrl.models import load_causal_lm, load_tokenizer, torch_dtype
+from elasticrl.engine.rank import TrainRank
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
-from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, num_steps, prepare_output
+from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, num_steps, prepare_output
 from elasticrl.world import world_paths
 
 
@@ -37,34 +36,13 @@ class SFTWorker:
         self.spec = load_spec(spec)
         self.paths = paths
 
-    def setup(self, rank: int, world_size: int, addr: str, port: int, total_steps: int) -> None:
+    def setup(self, rank: int, world_size: int, addr: str, port: int, total_steps: int) -> dict:
         s = self.spec
-        init_distributed(rank, world_size, addr, port, s.train.comm_timeout_s)
-        self.rank = rank
-        torch.manual_seed(s.seed + rank)
-        self.tokenizer = load_tokenizer(self.paths["model"], s.model.trust_remote_code)
+        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps)
+        self.engine, self.tokenizer, self.rank = self.core.engine, self.core.tokenizer, rank
         self.records = read_jsonl(self.paths["train"], (s.data.prompt_key, s.data.response_key))
         self.eval_records = read_jsonl(self.paths["eval"], (s.data.prompt_key, s.data.answer_key))
-        dp_size = world_size // s.train.tp_size
-        self.grad_accum = s.train.global_batch_size // (s.train.micro_batch_size * dp_size)
-        self.dtype = backend.resolve_dtype(s.model.dtype)  # here: the worker's hardware decides
-        if self.dtype == "bf16" and not backend.fast_bf16() and rank == 0:
-            warnings.warn("model.dtype: bf16 on a CPU without AVX512-BF16/AMX runs ~50x slower than "
-                          "fp32; use model.dtype: auto", stacklevel=1)
-        cfg = ds_config(s.train, self.dtype, self.grad_accum)
-        model = load_causal_lm(self.paths["model"], s.model.trust_remote_code, cfg)
-        if s.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        self.engine = build_engine(model, s.train, self.dtype, self.grad_accum, total_steps)
-        self.dp_rank, self.dp_size = data_parallel_info(s.train.tp_size)
-        self.is_dp_leader = rank == 0 or s.train.tp_size == 1 or self._tp_rank() == 0
-
-        return {"dtype": self.dtype}
-
-    def _tp_rank(self) -> int:
-        from deepspeed.utils import groups
-
-        return groups.get_tensor_model_parallel_rank()
+        return {"dtype": self.core.dtype}
 
     def train_step(self, step: int) -> dict:
         s, B = self.spec, self.spec.train.global_batch_size
@@ -75,15 +53,15 @@ class SFTWorker:
         # Every rank sees the whole global batch's ids, so it knows the global token count
         # without a collective: the loss is a true mean over all response tokens.
         global_tokens = sum(len(ids) - max(plen, 1) for ids, plen in examples)
-        per_rank = B // self.dp_size
-        mine = examples[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        core = self.core
+        mine = examples[core.my_rows(B)]
         mbs = s.train.micro_batch_size
-        scale = self.dp_size * self.grad_accum / max(global_tokens, 1)
+        scale = core.dp_size * core.grad_accum / max(global_tokens, 1)
         lr = self.engine.get_lr()[0]
         nll_total, seq_tokens = 0.0, 0
         self.engine.train()
         device = backend.current_device()
-        for m in range(0, per_rank, mbs):
+        for m in range(0, len(mine), mbs):
             ids, plens = zip(*mine[m:m + mbs])
             batch = {k: v.to(device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id, list(plens)).items()}
             logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -95,22 +73,16 @@ class SFTWorker:
         grad_norm = self.engine.get_global_grad_norm()
         return {"nll_sum": nll_total, "global_tokens": global_tokens, "seq_tokens": seq_tokens, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "dp_leader": self.is_dp_leader}
+                "dp_leader": core.is_dp_leader}
 
-    def attach_rollout(self, engines: list, infos: list[dict], transport: str, bucket_mb: int,
-                       files_dir: str | None = None) -> str:
-        """Get ready to push weights into rollout engines; returns the transport chosen."""
-        from elasticrl.weights.sync import WeightSender
-
-        self.sender = WeightSender(engines if self.rank == 0 else [], infos, transport, bucket_mb * 2**20,
-                                   self.spec.train.comm_timeout_s, files_dir)
-        return self.sender.transport
+    def attach_rollout(self, *args) -> str:
+        return self.core.attach_rollout(*args)
 
     def sync_weights(self, version: int) -> dict:
-        return self.sender.sync(self.engine, version)
+        return self.core.sync_weights(version)
 
     def detach_rollout(self) -> None:
-        self.sender.close()
+        self.core.detach_rollout()
 
     def evaluate(self, num_prompts: int) -> dict:
         s = self.spec
@@ -119,19 +91,18 @@ class SFTWorker:
         correct, total = greedy_accuracy(
             self.engine.module, self.tokenizer, records, prompt_key=s.data.prompt_key,
             answer_key=s.data.answer_key, apply_chat_template=s.data.apply_chat_template,
-            max_new_tokens=s.eval.max_new_tokens, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            max_new_tokens=s.eval.max_new_tokens, dp_rank=self.core.dp_rank, dp_size=self.core.dp_size,
             synced=synced, device=backend.current_device())
-        return {"correct": correct, "total": total, "dp_leader": self.is_dp_leader}
+        return {"correct": correct, "total": total, "dp_leader": self.core.is_dp_leader}
 
     def save(self, folder: str) -> None:
-        ckpt.save_engine_state(self.engine, folder, self.rank)
+        self.core.save(folder)
 
     def load(self, folder: str) -> None:
-        ckpt.load_engine_state(self.engine, folder, self.rank)
+        self.core.load(folder)
 
     def export(self, folder: str) -> None:
-        ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,
-                       torch_dtype(self.dtype))
+        self.core.export(folder)
 
 
 def resolve_paths(spec: JobSpec) -> dict[str, str]:
@@ -154,7 +125,8 @@ def run_sft(spec: JobSpec, output: Path) -> dict:
     start = ckpt.read_trainer_state(resume_dir)["step"] if resume_dir else 0
     summary: dict = {"steps": total, "resumed_from": start if resume_dir else None}
     with ray_session(spec.ray, num_cpus_needed=t.num_ranks):
-        group = RoleGroup("trainer", SFTWorker, t.num_ranks, spec_to_dict(spec), paths)
+        group = RoleGroup("trainer", SFTWorker, t.num_ranks, spec_to_dict(spec), paths,
+                          pool=pool_for(spec.placement.pools, "actor"))
         try:
             summary["dtype"] = group.setup(total)[0]["dtype"]
             if resume_dir:
@@ -197,13 +169,7 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int
         if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == total):
             _save_checkpoint(group, spec, output, done)
         progress.update(loss=row["loss"], **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
-    progress.close()
-    metrics.close()
-    if spec.export.enabled:
-        group.call("export", str(output / "final"))
-        summary["export"] = str(output / "final")
-    summary["final"] = row
-    return summary
+    return finish_run(group, spec, output, summary, row, progress, metrics)
 
 
 def _save_checkpoint(group: RoleGroup, spec: JobSpec, output: Path, step: int) -> None:

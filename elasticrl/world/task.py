@@ -50,17 +50,27 @@ def make_records(max_operand: int, operators: str, num_train: int, num_eval: int
     """The world's datasets as lists of dicts, deterministic in their arguments."""
     train, held_out = split_problems(max_operand, operators, num_eval, seed)
     rng = random.Random(seed + 1)
-    sft, prompts, prefs = [], [], []
+    sft, prompts = [], []
     for _ in range(num_train):
         prompt, answer = train[rng.randrange(len(train))]
         sft.append({"prompt": prompt, "response": str(answer)})
     for prompt, answer in train:
         prompts.append({"prompt": prompt, "answer": str(answer)})
-        # A wrong answer close to the right one: the hard negative a reward model must rank.
-        delta = rng.choice([-10, -2, -1, 1, 2, 10])
-        wrong = answer + delta if answer + delta >= 0 else answer + abs(delta)
-        prefs.append({"prompt": prompt, "chosen": str(answer), "rejected": str(wrong)})
     rng.shuffle(prompts)
-    rng.shuffle(prefs)
+    prefs = _preference_pairs(train, rng)
     evals = [{"prompt": p, "answer": str(a)} for p, a in held_out]
-    return {"sft": sft, "rl_prompts": prompts, "preference": prefs, "eval": evals}
+    return {"sft": sft, "rl_prompts": prompts, "preference": prefs, "eval": evals,
+            "preference_eval": _preference_pairs(held_out, rng)}
+
+
+def _preference_pairs(problems, rng, per_problem: int = 4) -> list[dict]:
+    """The right answer chosen over wrong ones, from near misses (off by one in a digit) to
+    far ones, ``per_problem`` distinct negatives each."""
+    pairs = []
+    for prompt, answer in problems:
+        deltas = rng.sample([-20, -11, -10, -5, -3, -2, -1, 1, 2, 3, 5, 10, 11, 20], per_problem)
+        for delta in deltas:
+            wrong = answer + delta if answer + delta >= 0 else answer - delta
+            pairs.append({"prompt": prompt, "chosen": str(answer), "rejected": str(wrong)})
+    rng.shuffle(pairs)
+    return pairs

@@ -137,6 +137,18 @@ def test_aggregations():
     close(AGGREGATIONS["seq_mean_token_mean"](loss, mask), (2 + 4) / 2)
     close(AGGREGATIONS["seq_sum_norm"](loss, mask), 10 / (2 * 3))
     close(AGGREGATIONS["seq_sum_norm"](loss, mask, norm_length=5), 10 / (2 * 5))
+    # global denominators: two "ranks" each holding one response sum to the global mean
+    for name, kw in (("token_mean", {"num_tokens": 4}), ("seq_mean_token_mean", {"num_seqs": 2}),
+                     ("seq_sum_norm", {"num_seqs": 2})):
+        split = AGGREGATIONS[name](loss[:1], mask[:1], **kw) + AGGREGATIONS[name](loss[1:], mask[1:], **kw)
+        close(split, AGGREGATIONS[name](loss, mask))
+
+
+def test_token_weights_scale_the_policy_loss():
+    # weights [.5, 2] on per-token losses [-1.2, 4] (see above): (-.6 + 8) / 2 = 3.7
+    lp = T([[math.log(1.5), math.log(4.0)]])
+    loss, _ = policy_loss(lp, T([[0.0, 0.0]]), T([[1.0, -1.0]]), T([[1.0, 1.0]]), token_weights_bt=T([[0.5, 2.0]]))
+    close(loss, 3.7)
 
 
 def test_whitening_and_global_moments():

@@ -1,0 +1,87 @@
+"""One rank of a DeepSpeed-trained model, as every trainer's workers hold it.
+
+It owns the engine, the tokenizer and the rank's data-parallel position, and does what
+every trainer needs the same way: save, load, export, and push weights to rollout engines.
+The Ray worker classes of each trainer hold one and add their own step functions.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from elasticrl import backend
+from elasticrl.engine import checkpoint as ckpt
+from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed
+from elasticrl.models import load_tokenizer, torch_dtype
+from elasticrl.models.load import load_causal_lm, load_value_model
+from elasticrl.spec import JobSpec
+from elasticrl.spec.schema import TrainSpec
+
+
+class TrainRank:
+    def __init__(self, spec: JobSpec, train: TrainSpec, model_path: str, rank: int, world_size: int, addr: str,
+                 port: int, total_steps: int, *, lr: float | None = None, kind: str = "causal",
+                 init_dist: bool = True):
+        self.spec, self.train, self.rank = spec, train, rank
+        if init_dist:
+            init_distributed(rank, world_size, addr, port, train.comm_timeout_s)
+        torch.manual_seed(spec.seed + rank)
+        self.dtype = backend.resolve_dtype(spec.model.dtype)  # the worker's own hardware decides
+        if self.dtype == "bf16" and not backend.fast_bf16() and rank == 0:
+            warnings.warn("model.dtype: bf16 on a CPU without AVX512-BF16/AMX runs ~50x slower than fp32; "
+                          "use model.dtype: auto", stacklevel=1)
+        self.tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
+        dp_size = world_size // train.tp_size
+        self.grad_accum = train.global_batch_size // (train.micro_batch_size * dp_size)
+        cfg = ds_config(train, self.dtype, self.grad_accum)
+        load = load_value_model if kind == "value" else load_causal_lm
+        model = load(model_path, spec.model.trust_remote_code, cfg)
+        if spec.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr)
+        self.dp_rank, self.dp_size = data_parallel_info(train.tp_size)
+        self.is_dp_leader = train.tp_size == 1 or self._tp_rank() == 0
+        self.sender = None
+
+    def _tp_rank(self) -> int:
+        from deepspeed.utils import groups
+
+        return groups.get_tensor_model_parallel_rank()
+
+    @property
+    def device(self):
+        return backend.current_device()
+
+    def my_rows(self, num_rows: int) -> slice:
+        """This rank's share of a batch of ``num_rows`` (tensor-parallel peers share one)."""
+        per = num_rows // self.dp_size
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    # --- persistence --------------------------------------------------------------------
+    def save(self, folder: str) -> None:
+        ckpt.save_engine_state(self.engine, folder, self.rank)
+
+    def load(self, folder: str) -> None:
+        ckpt.load_engine_state(self.engine, folder, self.rank)
+
+    def export(self, folder: str) -> None:
+        ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,
+                       torch_dtype(self.dtype))
+
+    # --- weights into rollout engines ---------------------------------------------------
+    def attach_rollout(self, engines: list, infos: list[dict], transport: str, bucket_mb: int,
+                       files_dir: str | None = None) -> str:
+        from elasticrl.weights.sync import WeightSender
+
+        self.sender = WeightSender(engines if self.rank == 0 else [], infos, transport, bucket_mb * 2**20,
+                                   self.train.comm_timeout_s, files_dir)
+        return self.sender.transport
+
+    def sync_weights(self, version: int) -> dict:
+        return self.sender.sync(self.engine, version)
+
+    def detach_rollout(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None

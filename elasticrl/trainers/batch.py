@@ -1,0 +1,39 @@
+"""RL batches: prompt + completion token ids packed into padded tensors.
+
+Every per-token tensor is ``[B, L-1]`` in *shifted* full-sequence coordinates: entry t
+describes token t+1 predicted from tokens <= t, exactly as ``token_logprobs`` returns it.
+``response_mask`` marks the completion's tokens there, so log-probs, values, KL and
+advantages line up with no re-indexing.
+"""
+from __future__ import annotations
+
+import torch
+
+from elasticrl.algorithms.logprobs import IGNORE
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention_mask[i, : len(s)] = 1
+        labels[i, len(p): len(s)] = torch.tensor(s[len(p):])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+            "response_mask": (labels[:, 1:] != IGNORE).float()}
+
+
+def rows(batch: dict, index) -> dict:
+    return {k: v[index] for k, v in batch.items()}
+
+
+def behaviour_logprobs(results: list[dict], batch: dict) -> torch.Tensor:
+    """The rollout engine's log-probs of the sampled tokens, placed in the shifted layout."""
+    out = torch.zeros_like(batch["response_mask"])
+    for i, r in enumerate(results):
+        pos = batch["response_mask"][i].nonzero().flatten()
+        out[i, pos[: len(r["logprobs"])]] = torch.tensor(r["logprobs"][: len(pos)], dtype=out.dtype)
+    return out

@@ -1,0 +1,72 @@
+"""Starting points built on demand and cached by their settings: a warm-start SFT model and
+a Bradley-Terry reward model, both on the embedded tiny world."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from elasticrl.spec import JobSpec, load_spec, spec_to_dict
+from elasticrl.world import world_paths
+from elasticrl.world.build import cache_root, world_key
+
+log = logging.getLogger(__name__)
+
+
+def _cached(spec: JobSpec, kind: str, run) -> str:
+    """``run(spec, output)`` once per distinct spec; returns the cached ``final`` export."""
+    # The world's key too: both train on the world's data, so a new world format must retrain.
+    blob = {"spec": spec_to_dict(spec), "world": world_key(spec.world)}
+    key = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
+    final = cache_root() / f"{kind}-{key}"
+    if not (final / "final" / "config.json").is_file():
+        log.warning("%s: training %s (cached in %s)", kind, spec.algorithm, final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{kind}-{key}."))
+        try:
+            run(spec, tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final / "final")
+
+
+def _small_job(spec: JobSpec, algorithm: str, steps: int, lr: float, model_path: str | None) -> JobSpec:
+    dp = spec.train.num_ranks
+    mbs = max(1, 64 // dp)
+    return load_spec({"algorithm": algorithm, "seed": spec.seed, "world": dataclasses.asdict(spec.world),
+                      "model": {"dtype": spec.model.dtype, "path": model_path},
+                      "train": {"num_ranks": dp, "zero_stage": 2, "micro_batch_size": mbs, "global_batch_size": mbs * dp,
+                                "max_steps": steps, "lr": lr, "warmup_ratio": 0.05, "min_lr_ratio": 0.05},
+                      "eval": {"every_steps": 0, "num_prompts": 256}, "checkpoint": {"resume": None},
+                      "log": {"progress_bar": spec.log.progress_bar, "every_steps": 10}})
+
+
+def warm_start(spec: JobSpec) -> str:
+    """The embedded model fine-tuned for ``init.sft_steps`` on the world's SFT data."""
+    from elasticrl.trainers.sft import run_sft
+
+    return _cached(_small_job(spec, "sft", spec.init.sft_steps, spec.init.sft_lr, None), "warmstart", run_sft)
+
+
+def initial_model(spec: JobSpec) -> str:
+    """What a job starts from: ``model.path``, else the warm start, else the raw tiny model."""
+    if spec.model.path:
+        return spec.model.path
+    if spec.init.sft_steps:
+        return warm_start(spec)
+    return str(world_paths(spec.world)["model"])
+
+
+def trained_reward_model(spec: JobSpec) -> str:
+    """A Bradley-Terry reward model on the world's preference pairs, from the job's start."""
+    from elasticrl.trainers.rm import run_rm
+
+    return _cached(_small_job(spec, "rm", spec.init.rm_steps, spec.init.rm_lr, initial_model(spec)),
+                   "rewardmodel", run_rm)

@@ -1,0 +1,275 @@
+"""The Ray workers of the RL roles: actor, critic, and frozen models (reference, reward).
+
+Each holds a ``TrainRank`` (trained roles) or a plain model (frozen roles) and exposes what
+the driver calls per phase. Batches arrive whole (a Ray object shared by every rank); each
+rank takes its rows (``TrainRank.my_rows``), so tensor-parallel peers see the same data.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from elasticrl import backend
+from elasticrl.algorithms.kl import KL_ESTIMATORS
+from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
+from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
+from elasticrl.data.records import pad_batch, read_jsonl, sample_indices, tokenize_sft
+from elasticrl.engine.rank import TrainRank
+from elasticrl.engine.strategy import ds_config, init_distributed
+from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
+from elasticrl.spec import load_spec
+from elasticrl.trainers.batch import rows
+
+
+def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
+    """Row indices of each optimizer step: ``epochs`` shuffled passes in mini-batches."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        perm = torch.randperm(num_rows, generator=g)
+        for start in range(0, num_rows - global_batch + 1, global_batch):
+            yield perm[start:start + global_batch]
+
+
+def _denominators(batch: dict, index: torch.Tensor) -> dict:
+    mask = batch["response_mask"][index]
+    return {"num_tokens": mask.sum(), "num_seqs": len(index), "norm_length": mask.shape[1]}
+
+
+class _TrainedRole:
+    """Shared set-up and plumbing of the actor and critic workers."""
+
+    kind = "causal"
+
+    def __init__(self, spec: dict, model_path: str, train_overrides: dict | None = None, lr: float | None = None):
+        self.spec = load_spec(spec)
+        self.model_path = model_path
+        self.train = self.spec.train if not train_overrides else load_spec(
+            spec, [f"train.{k}={v}" for k, v in train_overrides.items()]).train
+        self.lr = lr
+
+    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+        self.core = TrainRank(self.spec, self.train, self.model_path, rank, world_size, addr, port, total_steps,
+                              lr=self.lr, kind=self.kind)
+        self.rank = rank
+        return {"dtype": self.core.dtype}
+
+    def _micro(self, batch: dict, index: torch.Tensor):
+        """This rank's share of a mini-batch, in micro-batches, on the device."""
+        mine = index[self.core.my_rows(len(index))]
+        mbs = self.train.micro_batch_size
+        for m in range(0, len(mine), mbs):
+            yield {k: v.to(self.core.device) for k, v in rows(batch, mine[m:m + mbs]).items()}
+
+    def _scale(self) -> float:
+        # DeepSpeed averages gradients over data-parallel ranks and divides by the accumulation
+        # steps; multiplying back makes the sum of local sums / global denominator exact.
+        return self.core.dp_size * self.core.grad_accum
+
+    def save(self, folder): self.core.save(folder)
+    def load(self, folder): self.core.load(folder)
+    def export(self, folder): self.core.export(folder)
+    def attach_rollout(self, *args): return self.core.attach_rollout(*args)
+    def sync_weights(self, version): return self.core.sync_weights(version)
+    def detach_rollout(self): self.core.detach_rollout()
+
+
+class ActorWorker(_TrainedRole):
+    """The policy: log-probs for experience, the PPO-family update, weights to the engines."""
+
+    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+        out = super().setup(rank, world_size, addr, port, total_steps)
+        rl = self.spec.rl
+        if rl.ptx_coef > 0:
+            self.ptx_records = read_jsonl(self.ptx_path, ("prompt", "response"))
+        return out
+
+    def set_ptx_data(self, path: str) -> None:
+        self.ptx_path = path
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict) -> dict:
+        """Log-probs of this rank's rows under the current policy (shifted layout)."""
+        self.core.engine.eval()
+        index = torch.arange(batch["input_ids"].shape[0])[self.core.my_rows(batch["input_ids"].shape[0])]
+        out = []
+        for mb in self._micro(batch, torch.arange(batch["input_ids"].shape[0])):
+            logits = self.core.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            out.append(token_logprobs(logits, mb["labels"]).cpu())
+        return {"rows": [int(index[0]), int(index[-1]) + 1] if len(index) else [0, 0],
+                "logprobs": torch.cat(out) if out else None, "leader": self.core.is_dp_leader}
+
+    def train(self, batch: dict, step: int) -> dict:
+        """PPO epochs over the batch; returns mean stats over this rank's micro-batches."""
+        s, rl = self.spec, self.spec.rl
+        engine = self.core.engine
+        engine.train()
+        kl_fn = KL_ESTIMATORS[rl.kl_estimator]
+        stats: dict[str, float] = {}
+        count = minibatches = 0
+        loss_sum = 0.0
+        scale = self._scale()
+        num_rows = batch["input_ids"].shape[0]
+        for k, index in enumerate(_minibatches(num_rows, self.train.global_batch_size, rl.epochs, s.seed + step)):
+            denom = _denominators(batch, index)
+            for mb in self._micro(batch, index):
+                logits = engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                logp = token_logprobs(logits, mb["labels"])
+                mask = mb["response_mask"]
+                weights = None
+                if "behaviour_logprobs" in mb and rl.tis_cap is not None:
+                    # Truncated importance sampling: the batch came from an older policy.
+                    weights = torch.exp(mb["old_logprobs"] - mb["behaviour_logprobs"]).clamp(max=rl.tis_cap)
+                loss, pstats = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, clip_low=rl.clip_low,
+                                           clip_high=rl.clip_high, dual_clip=rl.dual_clip, token_weights_bt=weights,
+                                           aggregation=rl.loss_aggregation, **denom)
+                total = loss
+                if rl.kl_coef > 0 and rl.kl_mode == "loss":
+                    kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, rl.loss_aggregation, **denom)
+                    total = total + rl.kl_coef * kl
+                    pstats["kl_loss"] = kl.item()
+                entropy_bt = entropy_from_logits(logits[:, :-1])
+                if rl.entropy_coef > 0:
+                    total = total - rl.entropy_coef * aggregate(entropy_bt, mask, rl.loss_aggregation, **denom)
+                ent = aggregate(entropy_bt.detach(), mask, "token_mean")  # reported as a plain token mean
+                pstats["entropy"] = ent.item()
+                if rl.ptx_coef > 0:
+                    total = total + rl.ptx_coef * self._ptx_loss(step * 1000 + k, len(index)) / scale
+                engine.backward(total * scale)
+                engine.step()
+                loss_sum += loss.item()  # global-denominator share: summed over ranks = the loss
+                for key, v in pstats.items():
+                    stats[key] = stats.get(key, 0.0) + v
+                count += 1
+            minibatches += 1
+        out = {k: v / max(count, 1) for k, v in stats.items()}
+        out.update(policy_loss_sum=loss_sum, minibatches=minibatches, leader=self.core.is_dp_leader)
+        norm = engine.get_global_grad_norm()
+        out["grad_norm"] = float(norm) if norm is not None and math.isfinite(float(norm)) else None
+        out["lr"] = engine.get_lr()[0]
+        return out
+
+    def _ptx_loss(self, position: int, batch_size: int) -> torch.Tensor:
+        """Mean SFT NLL on the world's SFT data (the paper's pretraining-loss trick)."""
+        s = self.spec
+        per_rank = max(1, self.train.micro_batch_size)
+        idx = sample_indices(len(self.ptx_records), s.seed + 7, position * per_rank * self.core.dp_size +
+                             self.core.dp_rank * per_rank, per_rank)
+        ex = [tokenize_sft(self.core.tokenizer, self.ptx_records[i]["prompt"], self.ptx_records[i]["response"],
+                           s.data.apply_chat_template, s.data.max_length) for i in idx]
+        ids, plens = zip(*ex)
+        b = {k: v.to(self.core.device) for k, v in pad_batch(list(ids), self.core.tokenizer.pad_token_id,
+                                                               list(plens)).items()}
+        logits = self.core.engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        mask = response_mask(b["labels"])
+        return -masked_sum(token_logprobs(logits, b["labels"]), mask) / mask.sum().clamp(min=1)
+
+
+class CriticWorker(_TrainedRole):
+    """The value model: values for GAE, the clipped value-loss update."""
+
+    kind = "value"
+
+    @torch.no_grad()
+    def values(self, batch: dict) -> dict:
+        self.core.engine.eval()
+        n = batch["input_ids"].shape[0]
+        index = torch.arange(n)[self.core.my_rows(n)]
+        out = []
+        for mb in self._micro(batch, torch.arange(n)):
+            out.append(token_values(self.core.engine.module, mb["input_ids"], mb["attention_mask"])[:, :-1].cpu())
+        return {"rows": [int(index[0]), int(index[-1]) + 1] if len(index) else [0, 0],
+                "values": torch.cat(out) if out else None, "leader": self.core.is_dp_leader}
+
+    def train(self, batch: dict, step: int) -> dict:
+        rl, critic = self.spec.rl, self.spec.critic
+        engine = self.core.engine
+        engine.train()
+        total, minibatches = 0.0, 0
+        scale = self._scale()
+        for index in _minibatches(batch["input_ids"].shape[0], self.train.global_batch_size, rl.epochs,
+                                  self.spec.seed + step + 1):
+            minibatches += 1
+            denom = _denominators(batch, index)
+            for mb in self._micro(batch, index):
+                values = token_values(engine.module, mb["input_ids"], mb["attention_mask"])[:, :-1]
+                loss = value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"],
+                                  clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
+                engine.backward(loss * scale)
+                engine.step()
+                total += loss.item()
+        return {"value_loss_sum": total, "minibatches": minibatches, "critic_lr": engine.get_lr()[0]}
+
+
+class FrozenWorker:
+    """A model that only scores: the reference policy (log-probs) or a reward model (a
+    scalar at the last real token). With ``train.zero_stage: 3`` and several ranks its
+    weights are sharded over them (DeepSpeed ZeRO-3 inference, as OpenRLHF runs its
+    reference); otherwise each rank holds them whole. Idle weights can leave the GPU
+    between phases (``placement.offload_idle``)."""
+
+    def __init__(self, spec: dict, model_path: str, kind: str, offload_idle: bool):
+        self.spec = load_spec(spec)
+        self.kind, self.model_path = kind, model_path
+        self.offload_idle = offload_idle and backend.has_gpu()
+
+    def setup(self, rank, world_size, addr, port, *_):
+        self.rank, self.world_size = rank, world_size
+        s = self.spec
+        self.sharded = s.train.zero_stage == 3 and world_size > 1
+        dtype = backend.resolve_dtype(s.model.dtype)
+        load = load_value_model if self.kind == "reward" else load_causal_lm
+        self.tokenizer = load_tokenizer(self.model_path, s.model.trust_remote_code)
+        if self.sharded:
+            import deepspeed
+
+            init_distributed(rank, world_size, addr, port, s.train.comm_timeout_s)
+            cfg = ds_config(s.train, dtype, 1)
+            cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        **({"offload_param": {"device": "cpu", "pin_memory": True}}
+                                           if self.offload_idle else {})}
+            model = load(self.model_path, s.model.trust_remote_code, cfg).eval()
+            model.requires_grad_(False)
+            self.model = deepspeed.initialize(model=model, config=cfg)[0].module
+            self.offload_idle = False  # ZeRO-3 keeps the shards in host memory itself
+        else:
+            self.model = load(self.model_path, s.model.trust_remote_code).to(
+                torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+            self.model.requires_grad_(False)
+            self._place(backend.current_device() if not self.offload_idle else torch.device("cpu"))
+        return {}
+
+    def _place(self, device) -> None:
+        self.model.to(device)
+        if device.type == "cpu":
+            backend.empty_cache()
+
+    @torch.no_grad()
+    def score(self, batch: dict) -> dict:
+        """This rank's rows: log-probs (reference) or rewards at the last token (reward)."""
+        n = batch["input_ids"].shape[0]
+        per = -(-n // self.world_size)
+        index = torch.arange(n)[self.rank * per:(self.rank + 1) * per]
+        device = backend.current_device()
+        if self.offload_idle:
+            self._place(device)
+        out = []
+        mbs = self.spec.train.micro_batch_size
+        # Sharded ranks gather weights together: every rank runs the same number of forwards.
+        steps = -(-per // mbs) if self.sharded else -(-len(index) // mbs)
+        for m in range(steps):
+            part = index[m * mbs:(m + 1) * mbs]
+            mb = {k: v.to(device) for k, v in rows(batch, part if len(part) else torch.arange(1)).items()}
+            if self.kind == "reward":
+                values = token_values(self.model, mb["input_ids"], mb["attention_mask"])
+                last = mb["attention_mask"].sum(1) - 1
+                result = values[torch.arange(len(last)), last].cpu()
+            else:
+                logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                result = token_logprobs(logits, mb["labels"]).cpu()
+            if len(part):
+                out.append(result)
+        if self.offload_idle:
+            self._place(torch.device("cpu"))
+        return {"rows": [int(index[0]), int(index[-1]) + 1] if len(index) else [0, 0],
+                "values": torch.cat(out) if out else None, "leader": True}

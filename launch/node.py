@@ -1,0 +1,281 @@
+"""What each TorchX replica of an elasticrl app runs on its node.
+
+  python -m launch.node head   --app-id ID --expect N --spec SPEC --output DIR [--set k=v ...]
+  python -m launch.node worker --app-id ID --pool NAME --head-env VAR
+
+The head starts Ray (its own temp dir, dashboard on localhost), waits until the N-1 worker
+nodes have joined, runs the job as a driver of that Ray, then publishes its exit code in
+Ray's key-value store and waits for the workers to leave. A worker starts a Ray node that
+carries its pool as a custom resource (``elasticrl_pool_NAME``) so that model roles land on
+the right pool, and leaves when the head says so, or fails when the head disappears.
+
+Ray's token authentication stays on: the head writes a random token (mode 0600) into the
+job folder, which every node of a TorchX app shares (the launch folder on local_cwd and
+Slurm); the workers read it from there. Only processes this module started are stopped,
+by their process group.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+DONE_KEY = b"elasticrl:done"
+POOL_PREFIX = "elasticrl_pool_"
+
+
+def ray_port(app_id: str) -> int:
+    """The head's GCS port, derived from the app id so that every replica agrees on it."""
+    return 20000 + zlib.crc32(app_id.encode()) % 20000
+
+
+def token_file(app_id: str) -> Path:
+    return Path(".elasticrl") / f"ray-token-{app_id}"
+
+
+def _temp_dir(app_id: str) -> Path:
+    """Ray's temp dir (short: its socket paths must fit in 107 bytes)."""
+    return Path("/tmp") / f"erl-{zlib.crc32(app_id.encode()):08x}"
+
+
+def _log(msg: str) -> None:
+    print(f"[elasticrl node {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _auth_env(app_id: str) -> dict[str, str]:
+    """Ray reads these once, when it is first imported: set them before anything imports it."""
+    return {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_TOKEN_PATH": str(token_file(app_id).resolve())}
+
+
+def _ray_env(app_id: str) -> dict[str, str]:
+    os.environ.update(_auth_env(app_id))
+    from elasticrl.cluster.session import worker_env
+
+    env = {**os.environ, **worker_env()}
+    # TorchX's local_cwd sets PATH to the working directory alone; compilers (DeepSpeed's
+    # JIT-built ops) and the system tools must stay reachable.
+    env["PATH"] = os.pathsep.join(dict.fromkeys(env["PATH"].split(os.pathsep) + ["/usr/local/bin", "/usr/bin", "/bin"]))
+    return env
+
+
+def _start_ray(args: list[str], app_id: str, log_path: Path) -> subprocess.Popen:
+    """``ray start ... --block`` in a process group of its own (stopped as a whole later)."""
+    ray = str(Path(sys.executable).parent / "ray")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_path, "ab")
+    return subprocess.Popen([ray, "start", *args, "--block", "--disable-usage-stats"], env=_ray_env(app_id),
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _gcs_get(address: str, key: bytes):
+    import ray._raylet
+
+    return ray._raylet.GcsClient(address=address).internal_kv_get(key, None)
+
+
+def _node_ip(host: str | None = None) -> str:
+    if host:
+        return socket.gethostbyname(host)
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+def head(ns: argparse.Namespace) -> int:
+    os.environ.update(_ray_env(ns.app_id))
+    tok = token_file(ns.app_id)
+    tok.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, secrets.token_hex(32).encode())
+    os.close(fd)
+    ip = _node_ip(ns.host)
+    port = ray_port(ns.app_id)
+    temp = _temp_dir(ns.app_id)
+    ray_args = ["--head", "--port", str(port), "--node-ip-address", ip, "--num-cpus", str(ns.cpus),
+                "--num-gpus", str(ns.gpus), "--temp-dir", str(temp), "--dashboard-host", "127.0.0.1",
+                "--include-dashboard", "false"]
+    _log(f"starting Ray head on {ip}:{port}")
+    proc = _start_ray(ray_args, ns.app_id, Path(ns.output) / "logs" / "ray-head.log")
+    code = 1
+    try:
+        import ray
+
+        _wait(lambda: proc.poll() is None and _gcs_up(f"{ip}:{port}"), ns.timeout_s,
+              f"the Ray head did not come up within {ns.timeout_s}s (log: {ns.output}/logs/ray-head.log)")
+        ray.init(address=f"{ip}:{port}", logging_level="WARNING")
+        _wait(lambda: _alive(ray) >= ns.expect, ns.timeout_s,
+              lambda: f"only {_alive(ray)} of {ns.expect} Ray nodes joined within {ns.timeout_s}s; "
+                      "see the workers' logs (elasticrl logs HANDLE)")
+        _log(f"{ns.expect} Ray node(s) up; running the job")
+        code = _run_job(ns)
+    except Exception as exc:  # a failure anywhere: say it once, end non-zero
+        _log(f"error: {exc}")
+        code = 1
+    finally:
+        _finish(ns, proc, f"{ip}:{port}", code)
+    return code
+
+
+def _run_job(ns: argparse.Namespace) -> int:
+    """``elasticrl run`` in this process, as a driver of the running Ray."""
+    from elasticrl.cli import app
+
+    sets = list(ns.set or []) + [base64.urlsafe_b64decode(x).decode() for x in ns.set_b64 or []]
+    args = ["run", ns.spec, "--output", ns.output] + [x for kv in sets for x in ("--set", kv)]
+    try:
+        # click returns the exit code of typer.Exit instead of raising it when not standalone
+        code = app(args=args, prog_name="elasticrl", standalone_mode=False)
+        return code if isinstance(code, int) else 0
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:  # typer.Exit comes through click as an exception here
+        code = getattr(exc, "exit_code", None)
+        if code is None:
+            raise
+        return int(code)
+
+
+def _finish(ns, proc, address: str, code: int) -> None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(DONE_KEY, str(code).encode(), overwrite=True)
+            deadline = time.time() + 60
+            while _alive(ray) > 1 and time.time() < deadline:  # workers leave on their own
+                time.sleep(1)
+            ray.shutdown()
+    finally:
+        _stop(proc)
+        shutil.rmtree(_temp_dir(ns.app_id), ignore_errors=True)
+        token_file(ns.app_id).unlink(missing_ok=True)
+        _log(f"done, exit code {code}")
+
+
+def worker(ns: argparse.Namespace) -> int:
+    os.environ.update(_ray_env(ns.app_id))
+    host = os.environ.get(ns.head_env, ns.head_env if ns.head_env and "." in ns.head_env else "")
+    if not host:
+        _log(f"error: ${ns.head_env} (the head's host, set by the scheduler) is empty")
+        return 2
+    ip = _node_ip(host.split(",")[0])
+    address = f"{ip}:{ray_port(ns.app_id)}"
+    try:
+        _wait(lambda: token_file(ns.app_id).is_file() and _gcs_up(address), ns.timeout_s,
+              f"the head at {address} did not come up within {ns.timeout_s}s")
+    except TimeoutError as exc:
+        _log(f"error: {exc}")
+        return 1
+    resources = json.dumps({POOL_PREFIX + ns.pool: 1000})
+    args = ["--address", address, "--num-cpus", str(ns.cpus), "--num-gpus", str(ns.gpus), "--resources", resources]
+    if ns.host:
+        args += ["--node-ip-address", _node_ip(ns.host)]
+    # Several nodes of one app may share a host (a workstation, a test): a temp dir of its own,
+    # or two raylets starting together race for the same socket names.
+    temp = f"{_temp_dir(ns.app_id)}-{ns.pool}-{os.getpid()}"
+    args += ["--temp-dir", temp]
+    _log(f"joining the Ray head at {address} as pool {ns.pool!r}")
+    proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.pool}-{os.getpid()}.log")
+    lost_since = None
+    try:
+        while True:
+            time.sleep(2)
+            if proc.poll() is not None:
+                _log(f"error: the Ray node exited with code {proc.returncode}")
+                return 1
+            try:
+                done = _gcs_get(address, DONE_KEY)
+                lost_since = None
+            except Exception:
+                lost_since = lost_since or time.time()
+                if time.time() - lost_since > ns.lost_s:
+                    _log(f"error: lost the head at {address} for {ns.lost_s}s before it finished")
+                    return 1
+                continue
+            if done is not None:
+                _log(f"the head finished (exit code {done.decode()}); leaving")
+                return 0
+    finally:
+        _stop(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _gcs_up(address: str) -> bool:
+    try:
+        _gcs_get(address, b"elasticrl:ping")
+        return True
+    except Exception:
+        return False
+
+
+def _alive(ray) -> int:
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+def _wait(cond, timeout_s: float, message) -> None:
+    deadline = time.time() + timeout_s
+    while not cond():
+        if time.time() > deadline:
+            raise TimeoutError(message() if callable(message) else message)
+        time.sleep(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.node", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="kind", required=True)
+    for name in ("head", "worker"):
+        s = sub.add_parser(name)
+        s.add_argument("--app-id", required=True, help="The TorchX app id (all replicas share it).")
+        s.add_argument("--cpus", type=int, default=1, help="CPUs this Ray node offers.")
+        s.add_argument("--gpus", type=int, default=0, help="GPUs this Ray node offers.")
+        s.add_argument("--host", default=None, help="This node's address (default: Ray's guess).")
+        s.add_argument("--output", default="runs/launch", help="The job's output folder (logs go there).")
+        s.add_argument("--timeout-s", type=float, default=300, help="Seconds to wait for the other nodes.")
+    h = sub.choices["head"]
+    h.add_argument("--expect", type=int, required=True, help="Ray nodes in all, the head included.")
+    h.add_argument("--spec", required=True)
+    h.add_argument("--set", action="append", help="Spec overrides, as for elasticrl run.")
+    h.add_argument("--set-b64", action="append", help="An override, URL-safe base64 (one that a shell would split).")
+    w = sub.choices["worker"]
+    w.add_argument("--pool", required=True, help="The node pool this node serves (e.g. train, rollout).")
+    w.add_argument("--head-env", required=True, help="Name of the variable holding the head's host.")
+    w.add_argument("--lost-s", type=float, default=60, help="Seconds without the head before failing.")
+    ns = p.parse_args(argv)
+
+    def terminated(signum, _frame):  # scancel / TorchX cancel: stop what we started, then exit
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    return head(ns) if ns.kind == "head" else worker(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""``elasticrl launch`` and friends: from a spec (and a plan) to a TorchX app, and back.
+
+The pools come from the planner when GPUs are given (``--gpus``/``--gpu-mem``/``--nodes``):
+the trained and frozen models' GPUs form the ``train`` pool, the engines' the ``rollout``
+pool, each in whole nodes; with the hybrid engine (``colocate: all``) there is one pool.
+Without GPUs (a CPU workstation, a CPU Slurm) the pools are sized in CPUs from the spec.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
+
+
+def parse_cfg(text: str | None) -> dict[str, str]:
+    """``--cfg k=v,k2=v2`` as TorchX takes scheduler options."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--cfg {item!r}: expected KEY=VALUE (e.g. partition=debug,time=30)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def pool_args(spec, plan=None, inventory=None) -> dict:
+    """Component arguments (pool sizes) for a spec: from a plan on GPUs, else in CPUs."""
+    from elasticrl.trainers.rl import active_roles, cpus_needed
+
+    rl_job = spec.algorithm not in ("sft", "rm")
+    if plan is not None:
+        per_node = inventory.per_node
+        s = plan.settings
+        engine_gpus = s.get("rollout.num_engines", 0) * s.get("rollout.tp_size", 0)
+        train_gpus = sum(r["ranks"] for g, r in _group_widths(plan).items() if g != "rollout")
+        if not rl_job or s.get("placement.colocate") == "all":
+            nodes = math.ceil(max(train_gpus, engine_gpus) / per_node)
+            return {"train_nodes": nodes, "train_gpus": per_node, "train_cpus": 8 * per_node, "rollout_nodes": 0}
+        return {"train_nodes": math.ceil(train_gpus / per_node), "train_gpus": per_node, "train_cpus": 8 * per_node,
+                "rollout_nodes": math.ceil(engine_gpus / per_node), "rollout_gpus": per_node,
+                "rollout_cpus": 8 * per_node}
+    if not rl_job:
+        return {"train_nodes": 1, "train_cpus": spec.train.num_ranks, "rollout_nodes": 0}
+    engines = active_roles(spec)["rollout"] * spec.rollout.cpus_per_engine
+    if spec.placement.colocate == "all":
+        return {"train_nodes": 1, "train_cpus": cpus_needed(spec), "rollout_nodes": 0}
+    return {"train_nodes": 1, "train_cpus": cpus_needed(spec) - 1 - engines, "rollout_nodes": 1,
+            "rollout_cpus": engines}
+
+
+def _group_widths(plan) -> dict:
+    """Placement group -> the widest role in it (GPUs the group occupies)."""
+    out: dict = {}
+    for role, r in plan.roles.items():
+        g = "rollout" if role == "rollout" else r["group"]
+        if g not in out or r["ranks"] > out[g]["ranks"]:
+            out[g] = r
+    return out
+
+
+def build_app(spec_path: str, output: str, sets: list[str], pools: dict, scheduler: str, image: str | None):
+    from components.elasticrl import job
+
+    python = "python" if scheduler == "kubernetes" else sys.executable
+    image = image or ("ghcr.io/elasticrl/elasticrl:latest" if scheduler == "kubernetes" else os.getcwd())
+    return job(spec=spec_path, output=output, sets=shlex.join(sets), image=image, python=python, **pools)
+
+
+def describe_app(app) -> str:
+    """The AppDef as text: roles in order, their replicas, resources, command and environment."""
+    lines = [f"app: {app.name}"]
+    for r in app.roles:
+        res = r.resource
+        lines += [f"role {r.name}: {r.num_replicas} replica(s), cpu {res.cpu}, gpu {res.gpu}, memMB {res.memMB}",
+                  f"  image: {r.image}", f"  command: {r.entrypoint} {' '.join(r.args)}",
+                  f"  env: {' '.join(f'{k}={v}' for k, v in sorted(r.env.items()))}"]
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def runner():
+    """One TorchX runner per process: local_cwd apps live in its scheduler's memory."""
+    from torchx.runner import get_runner
+
+    return get_runner()
+
+
+def dryrun(app, scheduler: str, cfg: dict):
+    return runner().dryrun(app, scheduler, cfg=_with_defaults(scheduler, cfg))
+
+
+def _with_defaults(scheduler: str, cfg: dict) -> dict:
+    if scheduler == "kubernetes":
+        return {"queue": "default", **cfg}
+    return cfg
+
+
+def slurm_state(job_id: str) -> str | None:
+    """The job's state from sacct, for what TorchX 0.7.0 cannot parse ('CANCELLED by 0')."""
+    try:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[0] if out else None
+
+
+def status(handle: str) -> tuple[str, str]:
+    """(state, detail) of an app; ``detail`` names the replicas' states where known."""
+    _split(handle)
+    try:
+        st = runner().status(handle)
+    except AssertionError:  # torchx 0.7.0 on states such as 'CANCELLED by 0'
+        scheduler, _, app_id = _split(handle)
+        state = slurm_state(app_id) if scheduler == "slurm" else None
+        return (state.split()[0] if state else "UNKNOWN"), ""
+    if st is None:
+        return "UNKNOWN", f"no such app: {handle}"
+    roles = ", ".join(f"{r.role}: " + " ".join(str(x.state).split(".")[-1] for x in r.replicas)
+                      for r in st.roles)
+    return str(st.state).split(".")[-1], roles
+
+
+def _split(handle: str) -> tuple[str, str, str]:
+    """``scheduler://session/app_id`` -> its parts."""
+    scheduler, _, rest = handle.partition("://")
+    session, _, app_id = rest.partition("/")
+    if not scheduler or not app_id:
+        raise ValueError(f"{handle!r} is not an app handle; expected SCHEDULER://SESSION/APP_ID, as printed "
+                         "by elasticrl launch")
+    return scheduler, session, app_id
+
+
+def log_lines(handle: str, role: str = "head", replica: int = 0, tail: bool = False):
+    from torchx.schedulers.api import Stream
+
+    scheduler, _, _ = _split(handle)
+    streams = Stream.STDERR if scheduler == "slurm" else Stream.COMBINED
+    return runner().log_lines(handle, role, replica, should_tail=tail, streams=streams)
+
+
+def cancel(handle: str) -> None:
+    _split(handle)
+    runner().cancel(handle)
+
+
+def wait(handle: str):
+    return runner().wait(handle, wait_interval=2)
+
+
+def head_log(output: str) -> Path:
+    return Path(output) / "logs" / "ray-head.log"

@@ -1,0 +1,133 @@
+"""`elasticrl launch` through TorchX: golden dry-runs for local_cwd, slurm and kubernetes, and
+the tiny GRPO job run for real on local processes and on a real multi-node Slurm (started
+on this machine by tests/slurm/cluster.sh; skipped with the reason where it cannot run)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+SHORT = ["rl.num_steps=3", "eval.every_steps=0", "eval.num_prompts=32", "log.progress_bar=false"]
+SLURM_DIR = "/tmp/elasticrl-slurm"
+
+
+def _sets(items):
+    return [x for kv in items for x in ("--set", kv)]
+
+
+def _normalise(text: str) -> str:
+    """Stable text of a dry-run: no machine paths, generated app ids or temp folders."""
+    text = text.replace(sys.executable, "<PYTHON>").replace(str(ROOT), "<ROOT>")
+    text = re.sub(r"elasticrl-[a-z0-9]{8,}", "elasticrl-<ID>", text)
+    text = re.sub(r"/tmp/torchx_[a-z0-9_]+", "/tmp/<TORCHX>", text)
+    return "\n".join(ln.rstrip() for ln in text.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+
+
+@pytest.mark.parametrize("scheduler", ["local_cwd", "slurm", "kubernetes"])
+def test_dryrun_prints_the_app_and_the_request(scheduler):
+    proc = run_cli("launch", "examples/tiny_grpo.yaml", "--dryrun", "-s", scheduler, *_sets(SHORT), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = _normalise(proc.stdout).rstrip("\n")
+    golden = GOLDEN / f"launch_{scheduler}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(got + "\n")
+    assert got == golden.read_text().rstrip("\n"), f"regenerate with UPDATE_GOLDEN=1 if intended: {golden}"
+    # the head comes first (TorchX hands its host to the others), then the pools
+    roles = re.findall(r"^role (\w+):", got, re.M)
+    assert roles == ["head", "train", "rollout"]
+
+
+def test_launch_refuses_bad_input_in_one_line():
+    bad = run_cli("launch", "examples/tiny_grpo.yaml", "-s", "pbs", timeout=120)
+    assert bad.returncode == 2 and "--scheduler: expected one of local_cwd, slurm, kubernetes" in bad.stderr
+    bad = run_cli("launch", "examples/tiny_grpo.yaml", "--dryrun", "-s", "slurm", "--cfg", "partition", timeout=120)
+    assert bad.returncode == 2 and "--cfg 'partition': expected KEY=VALUE" in bad.stderr
+    bad = run_cli("status", "not-a-handle", timeout=120)
+    assert bad.returncode == 2 and "is not an app handle" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def _leftovers(app_dir: Path) -> list[str]:
+    """What an app must not leave behind: Ray temp dirs of its nodes, its auth token."""
+    out = [str(p) for p in Path("/tmp").glob("erl-*") if not p.name.startswith("erl-ray-")]
+    out += [str(p) for p in (app_dir / ".elasticrl").glob("*")] if (app_dir / ".elasticrl").is_dir() else []
+    return out
+
+
+def _run(args, cwd, timeout=1200, env=None):
+    return subprocess.run([sys.executable, "-m", "elasticrl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_local_cwd_launch_runs_the_tiny_grpo_job(tmp_path):
+    before = set(_leftovers(tmp_path))
+    out = tmp_path / "run"
+    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(out), *_sets(SHORT)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"app handle: local_cwd://\w+/elasticrl-\w+", proc.stdout)
+    assert "3 Ray node(s) up; running the job" in proc.stderr
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    # engines on the rollout pool's node, trainers on the train pool's: weights cross nodes
+    assert [r["sync/version"] for r in steps] == [1, 2, 3] and steps[0]["sync/transport"] == "broadcast"
+    assert (out / "final" / "model.safetensors").is_file()
+    assert set(_leftovers(tmp_path)) <= before
+
+
+@pytest.mark.slow
+def test_a_failing_job_ends_the_whole_app_non_zero(tmp_path):
+    # a reward endpoint nobody serves: the driver fails on the first step, after every node joined
+    before = set(_leftovers(tmp_path))
+    out = tmp_path / "run"
+    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(out), *_sets(
+        SHORT + ["rewards.remote=[{url: 'http://127.0.0.1:9/r', retries: 0, timeout_s: 2}]"])], tmp_path, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "reward endpoint http://127.0.0.1:9/r failed 1 times" in proc.stderr
+    assert "the job ended FAILED" in proc.stderr
+    assert set(_leftovers(tmp_path)) <= before  # every node stopped what it started
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A real Slurm of 4 nodes on this machine, for this module's Slurm tests."""
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm needs root (daemons, /etc/hosts); run the tests as root to include it")
+    if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+        pytest.skip("Slurm is not installed and cannot be (no apt-get)")
+    script = ROOT / "tests" / "slurm" / "cluster.sh"
+    start = subprocess.run(["bash", str(script), "start", SLURM_DIR], capture_output=True, text=True, timeout=600)
+    if start.returncode != 0:
+        pytest.skip(f"could not start a local Slurm: {start.stderr.strip().splitlines()[-1:]}")
+    yield {"SLURM_CONF": f"{SLURM_DIR}/etc/slurm.conf"}
+    subprocess.run(["bash", str(script), "stop", SLURM_DIR], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_slurm_launch_runs_on_separate_nodes_and_is_visible_from_another_shell(tmp_path, slurm):
+    out = tmp_path / "run"
+    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--output", str(out),
+                 *_sets(SHORT)], tmp_path, env=slurm)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    handle = re.search(r"app handle: (slurm://\S+)", proc.stdout).group(1)
+    job_id = handle.rsplit("/", 1)[1]
+    # status and logs from other processes (another shell), in the launch directory
+    status = _run(["status", handle], tmp_path, timeout=120, env=slurm)
+    assert status.returncode == 0 and f"{handle}: SUCCEEDED" in status.stdout, status.stdout + status.stderr
+    logs = _run(["logs", handle], tmp_path, timeout=120, env=slurm)
+    assert "3 Ray node(s) up; running the job" in logs.stdout and "done, exit code 0" in logs.stdout
+    nodes = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobName,NodeList,State"],
+                           capture_output=True, text=True, env={**os.environ, **slurm}).stdout.split()
+    where = {name: node for name, node, _ in (ln.split("|") for ln in nodes)}
+    assert where["head-0"] != where["train-0"] and where["head-0"] != where["rollout-0"], where
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 3

@@ -1,0 +1,186 @@
+"""The RL loop on the real stack: Ray roles, vLLM's CPU engines, DeepSpeed ranks, a weight
+sync after every step. Short runs on the tiny world; the learning itself is shown by
+examples/tiny_grpo.yaml (README), these check the wiring, the bookkeeping and the failures."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import ray
+import yaml
+from safetensors.torch import load_file
+
+from elasticrl.cluster import RoleError, RoleGroup
+from elasticrl.spec import load_spec
+from elasticrl.trainers.init import initial_model
+from elasticrl.trainers.rl import run_rl
+from elasticrl.world.task import is_correct
+from tests.conftest import EXAMPLES, run_cli
+
+pytestmark = pytest.mark.slow
+
+BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "checkpoint.resume=null",
+        "init.sft_steps=60", "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=16",
+        "train.lr=5e-5", "rl.prompts_per_step=8", "rl.samples_per_prompt=4", "rl.max_new_tokens=6",
+        "rl.eval_samples=2", "eval.num_prompts=32", "eval.max_new_tokens=6", "rollout.max_model_len=64"]
+
+
+def _rows(output) -> list[dict]:
+    return [json.loads(ln) for ln in (output / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _steps(output) -> dict[int, dict]:
+    return {r["step"]: r for r in _rows(output) if r["step"] > 0}
+
+
+def test_grpo_from_the_cli_syncs_every_step_and_plots(tmp_path):
+    out = tmp_path / "grpo"
+    args = ["run", "examples/tiny_grpo.yaml", "--output", str(out)]
+    for kv in BASE + ["rl.num_steps=3", "eval.every_steps=2"]:
+        args += ["--set", kv]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert f"curves: {out / 'plots'}/" in proc.stdout
+    assert {"eval.png", "reward.png", "time.png", "sync.png"} <= {p.name for p in (out / "plots").glob("*.png")}
+    steps = _steps(out)
+    assert sorted(steps) == [1, 2, 3]
+    for n, row in steps.items():
+        assert row["sync/version"] == n and row["sync/transport"] == summary["transport"] == "shm"
+        assert row["sync/gbytes"] > 0 and row["rl/staleness"] == 0
+        # exact_answer (weight 1) is the only reward: its mean is the batch accuracy
+        assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
+        assert row["policy_loss"] == row["policy_loss"] and row["time/rollout"] > 0  # finite, measured
+    evals = [r["step"] for r in _rows(out) if "eval/accuracy" in r]
+    assert evals == [0, 2, 3] and "eval/pass@2" in steps[3]
+    # the trained policy is what was exported, and it moved away from the start
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE)
+    start = load_file(os.path.join(initial_model(spec), "model.safetensors"))
+    final = load_file(out / "final" / "model.safetensors")
+    assert start.keys() == final.keys()
+    assert any(not start[k].equal(final[k]) for k in start)
+
+
+def test_async_rollouts_stay_within_the_staleness_bound(ray_cluster, tmp_path):
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["rl.num_steps=5", "eval.every_steps=0",
+                                                         "rl.async_rollout=true", "rl.max_staleness=2"])
+    summary = run_rl(spec, tmp_path / "async")
+    staleness = [r["rl/staleness"] for r in _steps(tmp_path / "async").values()]
+    assert len(staleness) == 5 and max(staleness) <= 2
+    # generation really ran ahead of training: from step 3 on, batches are two versions old
+    assert staleness == [0, 1, 2, 2, 2], staleness
+    assert summary["final"]["sync/version"] == 5
+
+
+PPO = ["init.rm_steps=30", "rl.num_steps=3", "rl.freeze_actor_steps=1", "eval.every_steps=0", "critic.num_ranks=1",
+       "rl.samples_per_prompt=2", "rl.prompts_per_step=16"]
+
+
+@pytest.mark.parametrize("colocate", ["none", "actor_ref+critic_reward"])
+def test_ppo_runs_with_four_model_roles(ray_cluster, tmp_path, colocate):
+    spec = load_spec(EXAMPLES / "tiny_ppo.yaml", BASE + PPO + [f"placement.colocate={colocate}"])
+    summary = run_rl(spec, tmp_path / colocate)
+    where = summary["placement"]
+    assert {"actor", "reference", "critic", "reward0", "rollout"} <= set(where)
+    if colocate == "none":
+        assert len(set(where.values())) == len(where)  # every role on its own placement group
+    else:
+        assert where["actor"] == where["reference"] and where["critic"] == where["reward0"]
+        assert where["actor"] != where["critic"]
+    steps = _steps(tmp_path / colocate)
+    assert sorted(steps) == [1, 2, 3]
+    assert "policy_loss" not in steps[1]  # the actor is frozen while the critic warms up
+    for n in (2, 3):
+        assert steps[n]["policy_loss"] == steps[n]["policy_loss"] and steps[n]["clip_frac"] >= 0
+    for row in steps.values():
+        assert row["value_loss"] > 0 and row["kl"] == row["kl"] and row["sync/version"] == row["step"]
+    assert summary["reward_model"].endswith("final")
+
+
+class _Scorer(BaseHTTPRequestHandler):
+    """A remote reward: the task's exact-answer check, after one HTTP 503 to force a retry."""
+
+    calls: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.calls.append(len(body["completions"]))
+        if len(self.calls) == 1:
+            self.send_error(503)
+            return
+        rewards = [float(is_correct(c, a)) for c, a in zip(body["completions"], body["answers"])]
+        data = json.dumps({"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_grpo_with_a_remote_reward_endpoint(ray_cluster, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        raw = yaml.safe_load((EXAMPLES / "tiny_grpo.yaml").read_text())
+        raw["rewards"] = {"functions": [], "remote": [{"url": url, "retries": 2, "timeout_s": 30}]}
+        spec = load_spec(raw, BASE + ["rl.num_steps=2", "eval.every_steps=0"])
+        run_rl(spec, tmp_path / "remote")
+    finally:
+        server.shutdown()
+    assert _Scorer.calls == [32, 32, 32]  # one refused, then one per step
+    for row in _steps(tmp_path / "remote").values():
+        assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
+
+
+def test_a_dead_rank_is_named_with_its_role(ray_cluster):
+    class _Fragile:  # defined here so Ray ships it by value
+        def setup(self, rank, world_size, addr, port):
+            self.rank = rank
+
+        def work(self):
+            if self.rank == 1:
+                os._exit(3)  # the process dies, as with an OOM kill or a segfault
+            return self.rank
+
+    group = RoleGroup("critic", _Fragile, 2)
+    try:
+        group.setup()
+        with pytest.raises(RoleError, match=r"^critic rank 1 failed: .*(died|Died|exit)"):
+            group.call("work")
+    finally:
+        group.shutdown()
+    assert ray.is_initialized()
+
+
+def test_zero3_sharded_reference_scores_like_a_whole_one(ray_cluster):
+    """With train.zero_stage 3 the reference's weights are sharded over its ranks; the
+    log-probs must equal those of one rank holding the whole model, also when the ranks get
+    different numbers of rows (5 rows, 2 ranks, micro-batch 2: the short rank pads)."""
+    import torch
+
+    from elasticrl.spec import spec_to_dict
+    from elasticrl.trainers.batch import pack
+    from elasticrl.trainers.rl_workers import FrozenWorker
+
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["train.zero_stage=3", "train.micro_batch_size=2"])
+    model = initial_model(spec)
+    prompts = [[1, 4, 7, 13, 78], [1, 4, 8, 78], [1, 5, 5, 78], [1, 9, 78], [1, 4, 4, 4, 78]]
+    batch = pack(prompts, [[11, 86, 2], [8, 2], [12, 13, 86, 2], [5, 2], [9, 9, 2]], 0)
+    out = {}
+    for ranks in (1, 2):
+        group = RoleGroup("reference", FrozenWorker, ranks, spec_to_dict(spec), model, "reference", False)
+        try:
+            group.setup()
+            parts = group.call("score", batch)
+        finally:
+            group.shutdown()
+        out[ranks] = torch.cat([p["values"] for p in sorted(parts, key=lambda p: p["rows"]) if p["values"] is not None])
+    assert out[1].shape == (5, batch["input_ids"].shape[1] - 1)
+    torch.testing.assert_close(out[2], out[1], atol=1e-5, rtol=0)

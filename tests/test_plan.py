@@ -1,0 +1,130 @@
+"""The planner and its memory model: published figures, the paper's placements, refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticrl.plan import Inventory, PlanError, plan_job
+from elasticrl.plan.arch import KNOWN, arch_of
+from elasticrl.plan.memory import GB, engine_need, model_states
+from elasticrl.plan.planner import USABLE
+from elasticrl.spec import explicit_fields, load_spec, read_raw
+from tests.conftest import EXAMPLES, run_cli
+
+
+def _plan(path, inventory, *overrides):
+    raw = read_raw(path, list(overrides))
+    return plan_job(load_spec(raw, check_paths=False), inventory, explicit_fields(raw))
+
+
+def test_zero_paper_model_states_for_7_5b_on_64_gpus():
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: Psi = 7.5B, N_d = 64, K = 12.
+    expected = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in expected.items():
+        m = model_states(7.5e9, 64, stage)
+        assert (m["params"] + m["grads"] + m["optimizer"]) / GB == pytest.approx(gb, abs=0.06), stage
+
+
+def test_offload_moves_optimizer_states_and_gradients_to_the_host():
+    m = model_states(7.5e9, 8, 3, offload_optimizer=True, offload_params=True)
+    assert m["params"] == 0 and m["optimizer"] == 0 and m["grads"] == 2 * 5e8  # one reduce bucket
+    assert m["host"] == pytest.approx((12 + 2) * 7.5e9 / 8 + 2 * 7.5e9 / 8)
+
+
+@pytest.mark.parametrize("name, billions", [("llama-2-7b", 6.74), ("llama-2-13b", 13.02),
+                                            ("codellama-34b", 33.74), ("llama-2-70b", 68.98)])
+def test_parameter_counts_match_the_published_sizes(name, billions):
+    assert KNOWN[name].params() / 1e9 == pytest.approx(billions, abs=0.005)
+
+
+def test_kv_cache_per_token_matches_the_published_sizes():
+    assert KNOWN["llama-2-7b"].kv_bytes_per_token() == 512 * 1024      # 0.5 MiB: 2 x 32 x 4096 x 2 B
+    assert KNOWN["llama-2-70b"].kv_bytes_per_token() == 320 * 1024     # grouped-query: 8 KV heads
+    # the 7B engine on one GPU: 13.5 GB of weights + 8 x 2048 tokens x 0.5 MiB + 1 GB
+    assert engine_need(KNOWN["llama-2-7b"], 1, 2048, 8) / GB == pytest.approx(13.48 + 8.59 + 1.0, abs=0.01)
+
+
+def test_architecture_from_a_folder_a_known_name_or_the_tiny_world(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2,
+                                                      "num_attention_heads": 4, "intermediate_size": 128,
+                                                      "vocab_size": 100, "tie_word_embeddings": True}))
+    a = arch_of(str(tmp_path), "2m")
+    assert (a.kv_heads, a.tied) == (4, True)
+    assert a.params() == 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert arch_of("/models/Llama-2-70b-sft", "2m") == KNOWN["llama-2-70b"]
+    assert arch_of("meta-llama/Llama-2-7b-hf", "2m") == KNOWN["llama-2-7b"]
+    assert arch_of(None, "2m").hidden == 256
+    with pytest.raises(ValueError, match="model.path: 'mystery-9b' is neither"):
+        arch_of("mystery-9b", "2m")
+
+
+def _check_fits(plan):
+    for name, group in plan.groups.items():
+        assert group["peak"] <= USABLE * plan.inventory.gpu_mem_gb * GB + 1, name
+        # a group's peak is the sum of its roles' memory in its worst phase
+        assert group["peak"] == pytest.approx(max(sum(plan.roles[r]["memory"][ph] for r in group["roles"])
+                                                  for ph in ("rollout", "experience", "train")))
+
+
+def test_7b_ppo_fits_four_rtx4090_and_70b_fits_32_a100_without_editing_the_spec():
+    small = _plan(EXAMPLES / "ppo_7b.yaml", Inventory(4, 24))
+    big = _plan(EXAMPLES / "ppo_70b.yaml", Inventory(32, 80, 4))
+    for plan, gpus in ((small, 4), (big, 32)):
+        _check_fits(plan)
+        assert set(plan.roles) == {"actor", "critic", "reference", "reward", "rollout"}
+        # every placement group's GPUs add up to at most the inventory
+        widths = {r["group"]: r["ranks"] for r in plan.roles.values()}
+        assert sum(widths.values()) <= gpus
+    assert small.settings["rollout.tp_size"] * small.settings["rollout.num_engines"] <= 4
+    # 70B weights do not fit one 80 GB GPU: the engines must be tensor-parallel
+    assert big.settings["rollout.tp_size"] >= 2
+    # the overrides realise the plan as a spec
+    spec = load_spec(read_raw(EXAMPLES / "ppo_7b.yaml", small.overrides()), check_paths=False)
+    assert spec.train.num_ranks == small.settings["train.num_ranks"]
+    assert spec.placement.colocate == small.settings["placement.colocate"]
+
+
+# The OpenRLHF paper's Table 3 (A800-80G, 8 per node, Adam offload on every model).
+TABLE3 = [("llama-2-7b", 16, 4, 4, 2, 2, 4, 1), ("llama-2-13b", 32, 8, 8, 4, 4, 8, 1),
+          ("codellama-34b", 32, 8, 8, 4, 4, 4, 2), ("llama-2-70b", 32, 4, 4, 4, 4, 4, 4)]
+
+
+@pytest.mark.parametrize("model, gpus, actor, critic, ref, reward, engines, tp", TABLE3)
+def test_the_papers_table_3_placements_are_feasible(model, gpus, actor, critic, ref, reward, engines, tp):
+    pins = [f"model.path=/models/{model}-sft", f"rewards.models=[{{path: /models/{model}-rm}}]",
+            f"train.num_ranks={actor}", f"critic.num_ranks={critic}", f"placement.reference_ranks={ref}",
+            f"placement.reward_ranks={reward}", f"rollout.num_engines={engines}", f"rollout.tp_size={tp}",
+            "train.offload_optimizer=true", "placement.colocate=none"]
+    plan = _plan(EXAMPLES / "ppo_7b.yaml", Inventory(gpus, 80, gpus // 8), *pins)
+    _check_fits(plan)
+    assert plan.settings["train.num_ranks"] == actor and plan.settings["rollout.tp_size"] == tp
+    assert sum(r["ranks"] for r in plan.roles.values()) == gpus
+
+
+def test_70b_ppo_on_four_24gb_gpus_is_refused_with_the_reason_and_a_fix():
+    with pytest.raises(PlanError) as err:
+        _plan(EXAMPLES / "ppo_70b.yaml", Inventory(4, 24))
+    msg = str(err.value)
+    assert "69.0B parameters" in msg and "a vLLM engine needs 35.7 GB per GPU" in msg
+    assert "Smallest change that fits: 4 GPUs of 96 GB" in msg
+
+
+def test_a_pin_that_cannot_fit_is_named_in_the_fix():
+    with pytest.raises(PlanError, match=r"unpin placement.colocate, train.num_ranks and let the planner choose"):
+        _plan(EXAMPLES / "ppo_7b.yaml", Inventory(4, 24), "placement.colocate=none", "train.num_ranks=2")
+
+
+def test_the_tiny_grpo_job_plans_on_two_small_gpus():
+    plan = _plan(EXAMPLES / "tiny_grpo.yaml", Inventory(2, 8))
+    assert set(plan.roles) == {"actor", "rollout"}
+    _check_fits(plan)
+
+
+def test_plan_cli_prints_the_table_and_refuses_with_exit_2():
+    ok = run_cli("plan", "examples/ppo_7b.yaml", "--gpus", "4", "--gpu-mem", "24", timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "placement group" in ok.stdout and "run it with: --set train.num_ranks=" in ok.stdout
+    bad = run_cli("plan", "examples/ppo_70b.yaml", "--gpus", "4", "--gpu-mem", "24", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: examples/ppo_70b.yaml: no placement")
+    assert "Traceback" not in bad.stderr
