@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 
 DONE_KEY = b"elasticrl:done"
+_terminating = False  # set by SIGTERM: clean up fast, Slurm kills the step after KillWait
 POOL_PREFIX = "elasticrl_pool_"
 
 
@@ -78,9 +79,9 @@ def _start_ray(args: list[str], app_id: str, log_path: Path) -> subprocess.Popen
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
+def _stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """TERM the ``ray start`` process group we created, then KILL what is left of it (Slurm
+    gives a cancelled step only KillWait seconds before it kills us)."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -88,9 +89,8 @@ def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
             return
         try:
             proc.wait(wait)
-            return
         except subprocess.TimeoutExpired:
-            continue
+            pass
 
 
 def _gcs_get(address: str, key: bytes):
@@ -129,6 +129,7 @@ def head(ns: argparse.Namespace) -> int:
         _wait(lambda: proc.poll() is None and _gcs_up(f"{ip}:{port}"), ns.timeout_s,
               f"the Ray head did not come up within {ns.timeout_s}s (log: {ns.output}/logs/ray-head.log)")
         ray.init(address=f"{ip}:{port}", logging_level="WARNING")
+        signal.signal(signal.SIGTERM, _terminated)  # ray.init installs its own, which skips our cleanup
         _wait(lambda: _alive(ray) >= ns.expect, ns.timeout_s,
               lambda: f"only {_alive(ray)} of {ns.expect} Ray nodes joined within {ns.timeout_s}s; "
                       "see the workers' logs (elasticrl logs HANDLE)")
@@ -162,10 +163,11 @@ def _run_job(ns: argparse.Namespace) -> int:
 
 
 def _finish(ns, proc, address: str, code: int) -> None:
+    token_file(ns.app_id).unlink(missing_ok=True)  # first: a cancelled step has seconds left
     try:
         import ray
 
-        if ray.is_initialized():
+        if ray.is_initialized() and not _terminating:
             from ray.experimental import internal_kv
 
             internal_kv._internal_kv_put(DONE_KEY, str(code).encode(), overwrite=True)
@@ -174,9 +176,8 @@ def _finish(ns, proc, address: str, code: int) -> None:
                 time.sleep(1)
             ray.shutdown()
     finally:
-        _stop(proc)
+        _stop(proc, 1.0 if _terminating else 3.0)
         shutil.rmtree(_temp_dir(ns.app_id), ignore_errors=True)
-        token_file(ns.app_id).unlink(missing_ok=True)
         _log(f"done, exit code {code}")
 
 
@@ -224,8 +225,15 @@ def worker(ns: argparse.Namespace) -> int:
                 _log(f"the head finished (exit code {done.decode()}); leaving")
                 return 0
     finally:
-        _stop(proc)
+        _stop(proc, 1.0 if _terminating else 3.0)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _terminated(signum, _frame):
+    """scancel / TorchX cancel: stop what this node started, then exit."""
+    global _terminating
+    _terminating = True
+    raise SystemExit(128 + signum)
 
 
 def _gcs_up(address: str) -> bool:
@@ -270,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--lost-s", type=float, default=60, help="Seconds without the head before failing.")
     ns = p.parse_args(argv)
 
-    def terminated(signum, _frame):  # scancel / TorchX cancel: stop what we started, then exit
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminated)
+    signal.signal(signal.SIGTERM, _terminated)
     return head(ns) if ns.kind == "head" else worker(ns)
 
 

@@ -168,3 +168,11 @@ def test_running_moments_merge_batches():
     assert rm.mean == pytest.approx(3.0, abs=1e-12) and rm.var == pytest.approx(2.0, abs=1e-12)
     close(rm.normalize(T([3.0 + math.sqrt(2)])), [1.0])
     close(rm.normalize(T([100.0]), clip=5.0), [5.0])
+
+
+def test_dynamic_sampling_keeps_only_groups_whose_rewards_vary():
+    from elasticrl.trainers.rl import _filter_groups
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5 + 1e-3])
+    assert _filter_groups(rewards, 2).tolist() == [2, 3, 6, 7]
+    assert _filter_groups(torch.zeros(6), 3).tolist() == []

@@ -131,3 +131,30 @@ def test_slurm_launch_runs_on_separate_nodes_and_is_visible_from_another_shell(t
     assert where["head-0"] != where["train-0"] and where["head-0"] != where["rollout-0"], where
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 3
+
+
+@pytest.mark.slow
+def test_slurm_cancel_from_another_shell_stops_every_node(tmp_path, slurm):
+    import time
+
+    before = set(_leftovers(tmp_path))
+    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--detach", "--output",
+                 str(tmp_path / "run"), *_sets(SHORT[1:] + ["rl.num_steps=1000"])], tmp_path, timeout=300, env=slurm)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    handle = re.search(r"app handle: (slurm://\S+)", proc.stdout).group(1)
+    deadline = time.time() + 300
+    head_log = tmp_path / f"slurm-{handle.rsplit('/', 1)[1]}-head-0.err"
+    while not (head_log.is_file() and "running the job" in head_log.read_text()):
+        assert time.time() < deadline, "the job never started"
+        time.sleep(2)
+    assert "RUNNING" in _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout
+    assert _run(["cancel", handle], tmp_path, timeout=120, env=slurm).returncode == 0
+    while True:  # TorchX 0.7.0 cannot parse 'CANCELLED by 0'; status falls back to sacct
+        out = _run(["status", handle], tmp_path, timeout=120, env=slurm)
+        assert out.returncode == 0, out.stderr[-2000:]
+        if "CANCELLED" in out.stdout:
+            break
+        assert time.time() < deadline + 120, out.stdout
+        time.sleep(3)
+    time.sleep(15)  # scancel's SIGTERM reached the nodes: each stops the Ray it started
+    assert set(_leftovers(tmp_path)) <= before

@@ -3,7 +3,8 @@
 # `elasticrl launch --scheduler slurm` (tests/integration/test_launch.py starts and stops it).
 # Adapted from the project's shared recipe (shared/tools/local-slurm.sh, whose notes explain
 # each choice); defaults changed for elasticrl: 4 nodes of 8 logical CPUs (the tiny job's head,
-# train and rollout pools each take a node) and state under /tmp/elasticrl-slurm.
+# train and rollout pools each take a node), state under /tmp/elasticrl-slurm, and Slurm's
+# default KillWait of 30 s, so that a cancelled step has time to stop the Ray it started.
 #
 #   cluster.sh start|stop|status|check|env|reset [DIR]
 #
@@ -179,7 +180,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=300
-KillWait=5
+KillWait=30
 Waittime=0
 $gres_line
 $overrides
