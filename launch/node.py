@@ -139,7 +139,7 @@ def head(ns: argparse.Namespace) -> int:
         _log(f"error: {exc}")
         code = 1
     finally:
-        _finish(ns, proc, f"{ip}:{port}", code)
+        _finish(ns, proc, code)
     return code
 
 
@@ -162,7 +162,7 @@ def _run_job(ns: argparse.Namespace) -> int:
         return int(code)
 
 
-def _finish(ns, proc, address: str, code: int) -> None:
+def _finish(ns, proc, code: int) -> None:
     token_file(ns.app_id).unlink(missing_ok=True)  # first: a cancelled step has seconds left
     try:
         import ray

@@ -13,7 +13,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
 
@@ -152,7 +151,3 @@ def cancel(handle: str) -> None:
 
 def wait(handle: str):
     return runner().wait(handle, wait_interval=2)
-
-
-def head_log(output: str) -> Path:
-    return Path(output) / "logs" / "ray-head.log"

@@ -122,5 +122,4 @@ def engine_role(arch: Arch, tp: int, seq: int, concurrent: int, utilization: flo
     awake = utilization * gpu_bytes
     asleep = CONTEXT_BYTES if sleeps else awake
     return {"rollout": awake, "experience": asleep, "train": asleep,
-            "host": HALF * arch.params() / tp if sleeps else 0.0,
-            "kv_tokens": max(0.0, awake - engine_need(arch, tp, seq, 0)) * tp / arch.kv_bytes_per_token()}
+            "host": HALF * arch.params() / tp if sleeps else 0.0}
