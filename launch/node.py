@@ -12,7 +12,8 @@ the right pool, and leaves when the head says so, or fails when the head disappe
 Ray's token authentication stays on: the head writes a random token (mode 0600) into the
 job folder, which every node of a TorchX app shares (the launch folder on local_cwd and
 Slurm); the workers read it from there. Only processes this module started are stopped,
-by their process group.
+by their process group. The head's Ray listens on a port free when it starts (retried if
+another process takes it first) and publishes the port beside the token.
 """
 from __future__ import annotations
 
@@ -35,13 +36,32 @@ _terminating = False  # set by SIGTERM: clean up fast, Slurm kills the step afte
 POOL_PREFIX = "elasticrl_pool_"
 
 
-def ray_port(app_id: str) -> int:
-    """The head's GCS port, derived from the app id so that every replica agrees on it."""
-    return 20000 + zlib.crc32(app_id.encode()) % 20000
-
-
 def token_file(app_id: str) -> Path:
     return Path(".elasticrl") / f"ray-token-{app_id}"
+
+
+def port_file(app_id: str) -> Path:
+    """Where the head publishes its GCS port, once Ray is up (beside the token: shared storage)."""
+    return Path(".elasticrl") / f"ray-port-{app_id}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _publish(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def _temp_dir(app_id: str) -> Path:
@@ -115,19 +135,30 @@ def head(ns: argparse.Namespace) -> int:
     os.write(fd, secrets.token_hex(32).encode())
     os.close(fd)
     ip = _node_ip(ns.host)
-    port = ray_port(ns.app_id)
     temp = _temp_dir(ns.app_id)
-    ray_args = ["--head", "--port", str(port), "--node-ip-address", ip, "--num-cpus", str(ns.cpus),
-                "--num-gpus", str(ns.gpus), "--temp-dir", str(temp), "--dashboard-host", "127.0.0.1",
-                "--include-dashboard", "false"]
-    _log(f"starting Ray head on {ip}:{port}")
-    proc = _start_ray(ray_args, ns.app_id, Path(ns.output) / "logs" / "ray-head.log")
-    code = 1
+    log_path = Path(ns.output) / "logs" / "ray-head.log"
+    proc, code = None, 1
     try:
         import ray
 
-        _wait(lambda: proc.poll() is None and _gcs_up(f"{ip}:{port}"), ns.timeout_s,
-              f"the Ray head did not come up within {ns.timeout_s}s (log: {ns.output}/logs/ray-head.log)")
+        # A port free a moment ago can be taken before Ray binds it (CI once lost a fixed one):
+        # a head whose Ray exits early tries another port.
+        for attempt in range(3):
+            port = _free_port()
+            ray_args = ["--head", "--port", str(port), "--node-ip-address", ip, "--num-cpus", str(ns.cpus),
+                        "--num-gpus", str(ns.gpus), "--temp-dir", str(temp), "--dashboard-host", "127.0.0.1",
+                        "--include-dashboard", "false"]
+            _log(f"starting Ray head on {ip}:{port}")
+            proc = _start_ray(ray_args, ns.app_id, log_path)
+            _wait(lambda: proc.poll() is not None or _gcs_up(f"{ip}:{port}"), ns.timeout_s,
+                  f"the Ray head did not come up within {ns.timeout_s}s (log: {log_path})")
+            if proc.poll() is None:
+                break
+            _log(f"Ray head exited with code {proc.returncode} (attempt {attempt + 1} of 3): {_tail(log_path, 1)}")
+            _stop(proc, 1.0)  # whatever it had started
+        else:
+            raise RuntimeError(f"the Ray head failed to start 3 times; see {log_path}")
+        _publish(port_file(ns.app_id), str(port))
         ray.init(address=f"{ip}:{port}", logging_level="WARNING")
         signal.signal(signal.SIGTERM, _terminated)  # ray.init installs its own, which skips our cleanup
         _wait(lambda: _alive(ray) >= ns.expect, ns.timeout_s,
@@ -164,6 +195,7 @@ def _run_job(ns: argparse.Namespace) -> int:
 
 def _finish(ns, proc, code: int) -> None:
     token_file(ns.app_id).unlink(missing_ok=True)  # first: a cancelled step has seconds left
+    port_file(ns.app_id).unlink(missing_ok=True)
     try:
         import ray
 
@@ -176,7 +208,8 @@ def _finish(ns, proc, code: int) -> None:
                 time.sleep(1)
             ray.shutdown()
     finally:
-        _stop(proc, 1.0 if _terminating else 3.0)
+        if proc is not None:
+            _stop(proc, 1.0 if _terminating else 3.0)
         shutil.rmtree(_temp_dir(ns.app_id), ignore_errors=True)
         _log(f"done, exit code {code}")
 
@@ -188,10 +221,12 @@ def worker(ns: argparse.Namespace) -> int:
         _log(f"error: ${ns.head_env} (the head's host, set by the scheduler) is empty")
         return 2
     ip = _node_ip(host.split(",")[0])
-    address = f"{ip}:{ray_port(ns.app_id)}"
+    ports = port_file(ns.app_id)
     try:
-        _wait(lambda: token_file(ns.app_id).is_file() and _gcs_up(address), ns.timeout_s,
-              f"the head at {address} did not come up within {ns.timeout_s}s")
+        _wait(lambda: token_file(ns.app_id).is_file() and ports.is_file(), ns.timeout_s,
+              f"the head on {host} published no Ray port ({ports}) within {ns.timeout_s}s")
+        address = f"{ip}:{int(ports.read_text())}"
+        _wait(lambda: _gcs_up(address), ns.timeout_s, f"the head at {address} did not answer within {ns.timeout_s}s")
     except TimeoutError as exc:
         _log(f"error: {exc}")
         return 1

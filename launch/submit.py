@@ -30,9 +30,10 @@ def parse_cfg(text: str | None) -> dict[str, str]:
 
 def pool_args(spec, plan=None, inventory=None) -> dict:
     """Component arguments (pool sizes) for a spec: from a plan on GPUs, else in CPUs."""
+    from elasticrl.plan.roles import job_roles
     from elasticrl.trainers.rl import active_roles, cpus_needed
 
-    rl_job = spec.algorithm not in ("sft", "rm")
+    rl_job = "rollout" in job_roles(spec)  # jobs with vLLM engines get a rollout pool
     if plan is not None:
         per_node = inventory.per_node
         s = plan.settings

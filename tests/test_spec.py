@@ -51,8 +51,12 @@ BAD = [
     ({"train": {"lr": 0}}, [], "train.lr: expected a number > 0, got 0.0"),
     ({"train": {"zero_stage": 4}}, [], "train.zero_stage: expected one of 0, 1, 2, 3, got 4"),
     ({"model": {"dtype": "fp16"}}, [], "model.dtype: expected one of 'auto', 'bf16', 'fp32', got 'fp16'"),
-    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', 'rm', 'grpo', 'ppo', 'reinforce++', 'rloo', "
-                              "got 'ppx' (did you mean 'ppo'?)"),
+    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', 'rm', 'dpo', 'kto', 'rejection_sampling', "
+                              "'iterative_dpo', 'grpo', 'ppo', 'reinforce++', 'rloo', got 'ppx' (did you mean 'ppo'?)"),
+    ({"algorithm": "kto", "preference": {"reference": "precomputed"}}, [],
+     "preference.reference: 'precomputed' works for dpo only"),
+    ({"algorithm": "rejection_sampling", "rewards": {"functions": []}}, [],
+     "rewards: rejection_sampling needs a reward function or remote endpoint"),
     ({"rl": {"samples_per_prompt": 1}, "algorithm": "grpo"}, [],
      "rl.samples_per_prompt: grpo compares samples of a prompt: needs >= 2, got 1"),
     ({"rewards": {"functions": [{"path": "x:y", "wieght": 2}]}}, [],

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from elasticrl.plan.arch import Arch, arch_of
+from elasticrl.plan.roles import PREFERENCE_ALGORITHMS, ROUND_ALGORITHMS, is_rl, job_roles
 from elasticrl.plan.memory import GB, TrainConfig, engine_need, engine_role, frozen_role, trained_role
 from elasticrl.spec.schema import JobSpec
 
@@ -68,22 +69,6 @@ def _yaml(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def job_roles(spec: JobSpec) -> dict[str, str]:
-    """The model roles a job runs, with the head each carries ('lm' or 'value')."""
-    if spec.algorithm == "sft":
-        return {"actor": "lm"}
-    if spec.algorithm == "rm":
-        return {"actor": "value"}
-    roles = {"actor": "lm", "rollout": "lm"}
-    if spec.rl.kl_coef > 0:
-        roles["reference"] = "lm"
-    if spec.algorithm == "ppo":
-        roles["critic"] = "value"
-    if spec.rewards.models or (spec.algorithm == "ppo" and spec.init.rm_steps):
-        roles["reward"] = "value"
-    return roles
-
-
 def _pow2(limit: int) -> list[int]:
     return [2 ** i for i in range(int(math.log2(max(1, limit))) + 1)]
 
@@ -124,11 +109,17 @@ def fits(spec: JobSpec, inventory: Inventory, pinned: dict) -> bool:
 
 def _job(spec: JobSpec, inventory: Inventory, pinned: dict) -> _Job:
     arch = arch_of(spec.model.path, spec.world.model_size)
-    rl_job = spec.algorithm not in ("sft", "rm")
+    rl_job = is_rl(spec)
     seq = spec.data.max_length + (spec.rl.max_new_tokens if rl_job else 0)
-    per_step = spec.rl.prompts_per_step * spec.rl.samples_per_prompt if rl_job else spec.train.global_batch_size
-    return _Job(spec, arch, job_roles(spec), inventory, pinned, seq, per_step * seq * spec.rl.epochs,
-                per_step * spec.rl.max_new_tokens if rl_job else 0.0, max(1, len(spec.rewards.models)), arch.params())
+    # a preference pair is two sequences
+    per_step = spec.rl.prompts_per_step * spec.rl.samples_per_prompt if rl_job else \
+        spec.train.global_batch_size * (2 if spec.algorithm in PREFERENCE_ALGORITHMS + ("iterative_dpo",) else 1)
+    gen = per_step * spec.rl.max_new_tokens if rl_job else 0.0
+    if spec.algorithm in ROUND_ALGORITHMS:  # a round's sampling, spread over its training steps
+        r = spec.rounds
+        gen = r.prompts_per_round * spec.rl.samples_per_prompt * spec.rl.max_new_tokens / r.steps_per_round
+    return _Job(spec, arch, {r: x.head for r, x in job_roles(spec).items()}, inventory, pinned, seq, per_step * seq * spec.rl.epochs,
+                gen, max(1, len(spec.rewards.models)), arch.params())
 
 
 def _train_configs(job: _Job) -> list[tuple[TrainConfig, float]]:
@@ -159,11 +150,16 @@ def _layouts(job: _Job):
     if "rollout" not in r:
         for actor in _choices("train.num_ranks", pin, _pow2(n)):
             if actor <= n and actor % job.spec.train.tp_size == 0:
-                yield "none", {"actor": actor}, 0, 0
+                if "reference" in r:  # dpo, kto: the frozen reference lives in each trainer rank
+                    yield "actor_ref", {"actor": actor, "reference": actor}, 0, 0
+                else:
+                    yield "none", {"actor": actor}, 0, 0
         return
     tps = [t for t in _choices("rollout.tp_size", pin, _pow2(per_node)) if job.arch.heads % t == 0 and t <= per_node]
     colocs = _choices("placement.colocate", pin, ["none", "actor_ref", "critic_reward", "actor_ref+critic_reward",
                                                   "all"])
+    if job.spec.algorithm in ROUND_ALGORITHMS:  # trainer and engines apart; iterative_dpo's reference in the trainer
+        colocs = ["actor_ref" if "reference" in r else "none"]
     for coloc, actor in itertools.product(colocs, _choices("train.num_ranks", pin, _pow2(n))):
         if actor % job.spec.train.tp_size:
             continue
@@ -311,7 +307,7 @@ def _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util) -> dict:
                   "rollout.gpu_memory_utilization": round(util, 3)})
     if "critic" in job.roles:
         s["critic.num_ranks"] = ranks["critic"]
-    if "reference" in job.roles:
+    if "reference" in job.roles and is_rl(job.spec):  # dpo, kto: the reference is in the trainer
         s["placement.reference_ranks"] = ranks["reference"]
     if "reward" in job.roles:
         s["placement.reward_ranks"] = ranks["reward"]

@@ -70,7 +70,11 @@ class RolloutEngine:
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
             raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
-        params = SamplingParams(**sampling, logprobs=0)
+        # A seed gives prompt i the seed `seed + i * n` (vLLM seeds its n samples seed, seed+1, ...):
+        # a prompt's samples depend neither on the batch nor on the other prompts' seeds.
+        seed, n = sampling.get("seed"), sampling.get("n", 1)
+        params = [SamplingParams(**{**sampling, "seed": None if seed is None else seed + i * n}, logprobs=0)
+                  for i in range(len(prompts))]
         outs, version = self.gate.run(lambda: self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
         results = []

@@ -51,7 +51,10 @@ class RolloutPool:
     def submit(self, prompts: list[list[int]], sampling: dict):
         """Start generating; ``collect`` the returned handle later (async rollouts)."""
         chunks = self._split(prompts)
-        return chunks, [self.engines[i].generate.remote(chunk, sampling) for i, (_, chunk) in enumerate(chunks)]
+        seed, n = sampling.get("seed"), sampling.get("n", 1)  # per prompt (see the engine): any engine count
+        return chunks, [self.engines[i].generate.remote(
+            chunk, sampling if seed is None else {**sampling, "seed": seed + start * n})
+            for i, (start, chunk) in enumerate(chunks)]
 
     def collect(self, handle) -> list[dict]:
         """Completions of every prompt (``n`` each), ordered by prompt, each with its index."""

@@ -245,6 +245,19 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
             (spec.algorithm == "ppo" and spec.init.rm_steps)):
         raise SpecError("rewards", "an RL job needs at least one reward function, model or remote endpoint "
                                    "(or, for ppo, init.rm_steps to train a reward model first)")
+    if spec.algorithm in ("rejection_sampling", "iterative_dpo"):
+        if spec.rewards.models:
+            raise SpecError("rewards.models", f"{spec.algorithm} scores with reward functions or remote endpoints; "
+                                              "scoring its rounds with a reward model is not built yet")
+        if not (spec.rewards.functions or spec.rewards.remote):
+            raise SpecError("rewards", f"{spec.algorithm} needs a reward function or remote endpoint to score samples")
+        if spec.train.global_batch_size > spec.rounds.prompts_per_round:
+            raise SpecError("train.global_batch_size", f"{spec.train.global_batch_size} is more than "
+                                                       f"rounds.prompts_per_round ({spec.rounds.prompts_per_round}), "
+                                                       "the most records a round can yield")
+    if spec.algorithm in ("kto", "iterative_dpo") and spec.preference.reference == "precomputed":
+        raise SpecError("preference.reference", "'precomputed' works for dpo only (kto's reference point and iterative "
+                                                "dpo's new pairs need the reference during training); use colocated")
     if spec.critic.path is not None and check_paths and not Path(spec.critic.path).is_dir():
         raise SpecError("critic.path", f"{spec.critic.path} is not a folder")
     bad_ops = set(spec.world.operators) - set("+-*")

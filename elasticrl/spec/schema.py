@@ -52,10 +52,14 @@ class DataSpec:
     prompt_key: str = doc("Key of the prompt in each JSON line.", "prompt")
     response_key: str = doc("Key of the target response in each JSON line (SFT).", "response")
     answer_key: str = doc("Key of the reference answer in eval lines.", "answer")
-    chosen_key: str = doc("Key of the preferred response in preference lines (rm).", "chosen")
-    rejected_key: str = doc("Key of the dispreferred response in preference lines (rm).", "rejected")
+    chosen_key: str = doc("Key of the preferred response in preference lines (rm, dpo).", "chosen")
+    rejected_key: str = doc("Key of the dispreferred response in preference lines (rm, dpo).", "rejected")
+    label_key: str = doc("Key of the desirable (true) / undesirable (false) flag in unpaired lines (kto).",
+                         "label")
     apply_chat_template: bool = doc("Wrap prompts in the tokenizer's chat template.", True)
     max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
+    packing: bool = doc("dpo, kto: lay the sequences of a micro-batch end to end (no padding); same "
+                        "results as padded.", False)
 
 
 @dataclass
@@ -148,6 +152,36 @@ class RLSpec:
     tis_cap: Optional[float] = doc(
         "Truncated importance-sampling cap for off-policy batches (async); null disables.", 2.0)
     eval_samples: int = doc("k of pass@k at evaluation (sampled at the rollout temperature).", 4, min=1)
+
+
+@dataclass
+class PreferenceSpec:
+    """Settings of the preference trainers (dpo, kto); a frozen reference anchors both."""
+
+    beta: float = doc("Strength of the tie to the reference (the beta of DPO, IPO and KTO).", 0.1,
+                      min=0, exclusive_min=True)
+    loss: Literal["sigmoid", "ipo"] = doc("dpo: 'sigmoid' is DPO, 'ipo' is IPO.", "sigmoid")
+    label_smoothing: float = doc("dpo: assumed probability that a pair's label is wrong (conservative DPO, "
+                                 "cDPO); 0 is plain DPO.", 0.0, min=0, max=0.5)
+    nll_coef: float = doc("dpo, iterative_dpo: weight of the chosen response's per-token NLL added to the loss "
+                          "(iterative reasoning preference optimisation); 0 is plain DPO.", 0.0, min=0)
+    reference: Literal["colocated", "precomputed"] = doc(
+        "Reference log-probs: from a frozen copy held by each rank, or computed once before training "
+        "(then the copy is freed).", "colocated")
+    desirable_weight: float = doc("kto: weight of desirable examples.", 1.0, min=0)
+    undesirable_weight: float = doc("kto: weight of undesirable examples.", 1.0, min=0)
+
+
+@dataclass
+class RoundsSpec:
+    """Rounds of generate -> score -> fine-tune (rejection_sampling, iterative_dpo); sampling
+    follows rl.samples_per_prompt, rl.temperature, rl.top_p and rl.max_new_tokens."""
+
+    num_rounds: int = doc("Rounds of generate, score, fine-tune.", 3, min=1)
+    prompts_per_round: int = doc("Prompts sampled each round.", 256, min=1)
+    steps_per_round: int = doc("Optimizer steps on each round's data.", 20, min=1)
+    min_reward: float = doc("rejection_sampling: a prompt's best completion is kept only at this reward or more.",
+                            0.5)
 
 
 @dataclass
@@ -258,7 +292,8 @@ class RaySpec:
 class JobSpec:
     """One job: ``algorithm`` picks the trainer, the rest configures it."""
 
-    algorithm: Literal["sft", "rm", "grpo", "ppo", "reinforce++", "rloo"] = doc(
+    algorithm: Literal["sft", "rm", "dpo", "kto", "rejection_sampling", "iterative_dpo", "grpo", "ppo",
+                       "reinforce++", "rloo"] = doc(
         "Which trainer runs the job.", "sft")
     seed: int = doc("Seed of model init, data order and sampling.", 1234)
     world: WorldSpec = doc("The embedded tiny world.", factory=WorldSpec)
@@ -267,6 +302,8 @@ class JobSpec:
     train: TrainSpec = doc("Optimisation and parallelism.", factory=TrainSpec)
     rollout: RolloutSpec = doc("vLLM rollout engines.", factory=RolloutSpec)
     rl: RLSpec = doc("RL trainers.", factory=RLSpec)
+    preference: PreferenceSpec = doc("Preference trainers (dpo, kto, iterative_dpo).", factory=PreferenceSpec)
+    rounds: RoundsSpec = doc("Generate-score-train rounds (rejection_sampling, iterative_dpo).", factory=RoundsSpec)
     rewards: RewardsSpec = doc("Where rewards come from.", factory=RewardsSpec)
     critic: CriticSpec = doc("The critic (ppo).", factory=CriticSpec)
     placement: PlacementSpec = doc("Colocation and offload of roles.", factory=PlacementSpec)

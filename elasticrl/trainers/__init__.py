@@ -15,6 +15,14 @@ def run_job(spec: JobSpec, output: Path) -> dict:
         from elasticrl.trainers.rl import run_rl
 
         return run_rl(spec, output)
+    if spec.algorithm in ("dpo", "kto"):
+        from elasticrl.trainers.preference import run_preference
+
+        return run_preference(spec, output)
+    if spec.algorithm in ("rejection_sampling", "iterative_dpo"):
+        from elasticrl.trainers.rounds import run_rounds
+
+        return run_rounds(spec, output)
     if spec.algorithm == "rm":
         from elasticrl.trainers.rm import run_rm
 

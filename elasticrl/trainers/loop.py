@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints, read_trainer_state
 from elasticrl.spec import JobSpec, dump_spec
 
@@ -89,3 +90,39 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def save_checkpoint(group, spec: JobSpec, output: Path, step: int) -> None:
+    root = output / "checkpoints"
+    tmp = ckpt.temp_checkpoint_dir(root, step)
+    group.call("save", str(tmp))
+    ckpt.write_trainer_state(tmp, {"step": step, "samples_seen": step * spec.train.global_batch_size,
+                                   "num_ranks": spec.train.num_ranks})
+    ckpt.commit_checkpoint(tmp, root, step, spec.checkpoint.keep)
+
+
+def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str) -> dict:
+    """The driver of the trainers on a fixed dataset (rm, dpo, kto): evaluate the start, then
+    step, log, evaluate every ``eval.every_steps`` and at the end, checkpoint, export.
+    ``step_row(results of the data-parallel leaders)`` makes a step's metrics; ``show`` names
+    the eval figure on the progress bar."""
+    metrics = MetricsLog(output / "metrics.jsonl", resume_step=None)
+    progress = Progress(total, 0, spec.log.progress_bar, desc=spec.algorithm)
+    summary = {"initial": evaluate()}
+    metrics.write({"step": 0, **summary["initial"]})
+    every = spec.eval.every_steps
+    row: dict = {}
+    for step in range(total):
+        t0 = time.time()
+        res = [r for r in group.call("train_step", step) if r["leader"]]
+        done = step + 1
+        row = {"step": done, **step_row(res), "step_seconds": time.time() - t0}
+        evaluated = (every and done % every == 0) or done == total
+        if evaluated:
+            row.update(evaluate())
+        if done % spec.log.every_steps == 0 or evaluated:
+            metrics.write(row)
+        if spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0:
+            save_checkpoint(group, spec, output, done)
+        progress.update(loss=row["loss"], **({show: row[f"eval/{show}"]} if evaluated else {}))
+    return finish_run(group, spec, output, summary, row, progress, metrics)

@@ -32,6 +32,7 @@ from elasticrl.cluster.placement import colocation_groups, pool_for
 from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.models import load_tokenizer
+from elasticrl.plan.roles import job_roles, reward_models
 from elasticrl.rewards.functions import load_function
 from elasticrl.rewards.remote import RemoteReward
 from elasticrl.rollout.pool import RolloutPool
@@ -62,20 +63,7 @@ def resolve_rl_paths(spec: JobSpec) -> dict[str, str]:
 
 def active_roles(spec: JobSpec) -> dict[str, int]:
     """Role -> rank count of what this job starts."""
-    t = spec.train
-    active = {"actor": t.num_ranks, "rollout": spec.rollout.num_engines}
-    if spec.rl.kl_coef > 0:
-        active["reference"] = spec.placement.reference_ranks or t.num_ranks
-    if spec.algorithm == "ppo":
-        active["critic"] = spec.critic.num_ranks
-    if spec.rewards.models or (spec.algorithm == "ppo" and spec.init.rm_steps):
-        active["reward"] = spec.placement.reward_ranks
-    return active
-
-
-def reward_models(spec: JobSpec) -> int:
-    """Reward-model roles of the job (one trained first when ppo has none and init.rm_steps)."""
-    return len(spec.rewards.models) or int(spec.algorithm == "ppo" and spec.init.rm_steps > 0)
+    return {role: r.ranks for role, r in job_roles(spec).items()}
 
 
 def cpus_needed(spec: JobSpec) -> int:
@@ -263,6 +251,9 @@ def _loop(spec, roles, rewards, prompts, evals, paths, output, resume_dir) -> di
         idx = sample_indices(len(prompts), spec.seed, step * rl.prompts_per_step, rl.prompts_per_step)
         return idx, [prompt_ids[i] for i in idx]
 
+    def step_sampling(step):  # seeded per step (and per prompt, in the engine): runs repeat
+        return {**sampling, "seed": spec.seed + (step + 1) * 1_000_003}
+
     pending: deque = deque()  # (step, indices, handle) submitted ahead in async mode
     depth = rl.max_staleness if rl.async_rollout else 0
     phase_totals = {"rollout": 0.0, "experience": 0.0, "train": 0.0, "sync": 0.0}
@@ -271,13 +262,13 @@ def _loop(spec, roles, rewards, prompts, evals, paths, output, resume_dir) -> di
         t0 = time.time()
         if not pending:
             idx, p = batch_prompts(step)
-            pending.append((step, idx, roles.pool.submit(p, sampling)))
+            pending.append((step, idx, roles.pool.submit(p, step_sampling(step))))
         _, idx, handle = pending.popleft()
         results = roles.pool.collect(handle)
         while len(pending) < depth and step + 1 + len(pending) < rl.num_steps:  # roll out ahead, on current weights
             nxt = step + 1 + len(pending)
             nidx, p = batch_prompts(nxt)
-            pending.append((nxt, nidx, roles.pool.submit(p, sampling)))
+            pending.append((nxt, nidx, roles.pool.submit(p, step_sampling(nxt))))
         t_rollout = time.time() - t0
 
         t1 = time.time()

@@ -12,7 +12,6 @@ Run it:
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -25,8 +24,7 @@ from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.trainers.init import initial_model
-from elasticrl.trainers.loop import MetricsLog, Progress, finish_run, num_steps, prepare_output
-from elasticrl.trainers.sft import _save_checkpoint
+from elasticrl.trainers.loop import num_steps, offline_loop, prepare_output
 from elasticrl.world import world_paths
 
 
@@ -124,26 +122,9 @@ def _evaluate(group, spec) -> dict:
 
 
 def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int) -> dict:
-    metrics = MetricsLog(output / "metrics.jsonl", resume_step=None)
-    progress = Progress(total, 0, spec.log.progress_bar, desc="rm")
-    summary = {"initial": _evaluate(group, spec)}
-    metrics.write({"step": 0, **summary["initial"]})
-    every = spec.eval.every_steps
-    row: dict = {}
-    for step in range(total):
-        t0 = time.time()
-        res = [r for r in group.call("train_step", step) if r["leader"]]
+    def step_row(res):
         pairs = sum(r["pairs"] for r in res)
-        done = step + 1
-        row = {"step": done, "loss": sum(r["loss_sum"] for r in res), "accuracy": sum(r["correct"] for r in res) / pairs,
-               "margin": sum(r["margin_sum"] for r in res) / pairs, "lr": res[0]["lr"],
-               "step_seconds": time.time() - t0}
-        if (every and done % every == 0) or done == total:
-            row.update(_evaluate(group, spec))
-        if done % spec.log.every_steps == 0 or "eval/pairwise_accuracy" in row:
-            metrics.write(row)
-        if spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0:
-            _save_checkpoint(group, spec, output, done)
-        progress.update(loss=row["loss"], **({"acc": row["eval/pairwise_accuracy"]}
-                                              if "eval/pairwise_accuracy" in row else {}))
-    return finish_run(group, spec, output, summary, row, progress, metrics)
+        return {"loss": sum(r["loss_sum"] for r in res), "accuracy": sum(r["correct"] for r in res) / pairs,
+                "margin": sum(r["margin_sum"] for r in res) / pairs, "lr": res[0]["lr"]}
+
+    return offline_loop(spec, group, output, total, step_row, lambda: _evaluate(group, spec), "pairwise_accuracy")

@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from elasticrl import backend
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.cluster import RoleGroup, ray_session
@@ -25,7 +23,8 @@ from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
-from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, num_steps, prepare_output
+from elasticrl.trainers.loop import (MetricsLog, Progress, find_resume, finish_run, num_steps, prepare_output,
+                                     save_checkpoint)
 from elasticrl.world import world_paths
 
 
@@ -74,6 +73,10 @@ class SFTWorker:
         return {"nll_sum": nll_total, "global_tokens": global_tokens, "seq_tokens": seq_tokens, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "dp_leader": core.is_dp_leader}
+
+    def set_records(self, path: str) -> None:
+        """Train on these examples from now on (rejection sampling: each round's)."""
+        self.records = read_jsonl(path, (self.spec.data.prompt_key, self.spec.data.response_key))
 
     def attach_rollout(self, *args) -> str:
         return self.core.attach_rollout(*args)
@@ -167,15 +170,6 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int
         if done % spec.log.every_steps == 0 or "eval/accuracy" in row or done == total or done == 1:
             metrics.write(row)
         if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == total):
-            _save_checkpoint(group, spec, output, done)
+            save_checkpoint(group, spec, output, done)
         progress.update(loss=row["loss"], **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
     return finish_run(group, spec, output, summary, row, progress, metrics)
-
-
-def _save_checkpoint(group: RoleGroup, spec: JobSpec, output: Path, step: int) -> None:
-    root = output / "checkpoints"
-    tmp = ckpt.temp_checkpoint_dir(root, step)
-    group.call("save", str(tmp))
-    ckpt.write_trainer_state(tmp, {"step": step, "samples_seen": step * spec.train.global_batch_size,
-                                   "num_ranks": spec.train.num_ranks})
-    ckpt.commit_checkpoint(tmp, root, step, spec.checkpoint.keep)

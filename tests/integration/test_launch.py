@@ -12,11 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
+from elasticrl.spec import load_spec
+from elasticrl.trainers.init import initial_model
 from tests.conftest import ROOT, run_cli
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
-SHORT = ["rl.num_steps=3", "eval.every_steps=0", "eval.num_prompts=32", "log.progress_bar=false"]
+# the warm start of the RL tests (cached once per test session): init.sft_steps, dtype, ranks
+SHORT = ["rl.num_steps=3", "eval.every_steps=2", "eval.num_prompts=32", "log.progress_bar=false", "init.sft_steps=60",
+         "model.dtype=fp32", "rl.eval_samples=2"]
 SLURM_DIR = "/tmp/elasticrl-slurm"
 
 
@@ -80,19 +85,31 @@ def test_local_cwd_launch_runs_the_tiny_grpo_job(tmp_path):
     steps = [r for r in rows if r["step"] > 0]
     # engines on the rollout pool's node, trainers on the train pool's: weights cross nodes
     assert [r["sync/version"] for r in steps] == [1, 2, 3] and steps[0]["sync/transport"] == "broadcast"
-    assert (out / "final" / "model.safetensors").is_file()
+    for row in steps:
+        assert row["sync/gbytes"] > 0 and row["rl/staleness"] == 0 and row["time/rollout"] > 0
+        # exact_answer (weight 1) is the only reward: its mean is the batch accuracy
+        assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
+        assert row["policy_loss"] == row["policy_loss"]  # finite
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 3] and "eval/pass@2" in steps[-1]
+    assert {"eval.png", "reward.png", "time.png", "sync.png"} <= {p.name for p in (out / "plots").glob("*.png")}
+    # the trained policy is what was exported, and it moved away from the start
+    start = load_file(os.path.join(initial_model(load_spec(ROOT / "examples/tiny_grpo.yaml", SHORT)),
+                                   "model.safetensors"))
+    final = load_file(out / "final" / "model.safetensors")
+    assert start.keys() == final.keys() and any(not start[k].equal(final[k]) for k in start)
     assert set(_leftovers(tmp_path)) <= before
 
 
 @pytest.mark.slow
 def test_a_failing_job_ends_the_whole_app_non_zero(tmp_path):
-    # a reward endpoint nobody serves: the driver fails on the first step, after every node joined
+    # a reward function that does not import: the driver fails after every node joined
     before = set(_leftovers(tmp_path))
     out = tmp_path / "run"
     proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(out), *_sets(
-        SHORT + ["rewards.remote=[{url: 'http://127.0.0.1:9/r', retries: 0, timeout_s: 2}]"])], tmp_path, timeout=900)
+        SHORT + ["rewards.functions=[{path: 'no_such_module:score'}]"])], tmp_path, timeout=900)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "reward endpoint http://127.0.0.1:9/r failed 1 times" in proc.stderr
+    assert "3 Ray node(s) up; running the job" in proc.stderr
+    assert "rewards.functions[0].path: cannot import 'no_such_module:score'" in proc.stderr
     assert "the job ended FAILED" in proc.stderr
     assert set(_leftovers(tmp_path)) <= before  # every node stopped what it started
 
@@ -145,7 +162,8 @@ def test_slurm_cancel_from_another_shell_stops_every_node(tmp_path, slurm):
     deadline = time.time() + 300
     head_log = tmp_path / f"slurm-{handle.rsplit('/', 1)[1]}-head-0.err"
     while not (head_log.is_file() and "running the job" in head_log.read_text()):
-        assert time.time() < deadline, "the job never started"
+        assert time.time() < deadline, "the job never started: " + (head_log.read_text()[-2000:] if head_log.is_file()
+                                                                    else "no head log")
         time.sleep(2)
     assert "RUNNING" in _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout
     assert _run(["cancel", handle], tmp_path, timeout=120, env=slurm).returncode == 0

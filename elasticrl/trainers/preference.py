@@ -1,0 +1,272 @@
+"""Preference optimisation against a frozen reference: DPO (with its IPO and conservative
+variants) on chosen/rejected pairs, and KTO on unpaired desirable/undesirable examples.
+
+Variant: log-probabilities are sums over response tokens. The reference is a frozen copy
+of the starting model in each rank's process, or (``preference.reference: precomputed``,
+dpo only) its log-probs are computed once before training, spread over the ranks, and the
+copy is freed. KTO's reference point z0 is the mean of log pi - log ref over mismatched
+pairs (prompt i with response i+1 of the micro-batch), averaged over every rank, clamped at
+0 and detached, as in the KTO paper. Losses are means over the global batch. With
+``data.packing`` a micro-batch's sequences are laid end to end (no padding).
+
+Run it:
+  CPU:          elasticrl run examples/tiny_dpo.yaml --output runs/dpo
+  workstation:  elasticrl run my_dpo.yaml --output runs/dpo --set train.num_ranks=4
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+import torch
+
+from elasticrl import backend
+from elasticrl.algorithms.preference import dpo_loss, kto_loss
+from elasticrl.cluster import RoleGroup, ray_session
+from elasticrl.cluster.placement import pool_for
+from elasticrl.data.records import read_jsonl, sample_indices, tokenize_sft
+from elasticrl.engine.rank import TrainRank
+from elasticrl.models import torch_dtype
+from elasticrl.models.evaluate import greedy_accuracy
+from elasticrl.models.load import load_causal_lm
+from elasticrl.models.scoring import response_logps
+from elasticrl.spec import JobSpec, load_spec, spec_to_dict
+from elasticrl.trainers.init import initial_model
+from elasticrl.trainers.loop import num_steps, offline_loop, prepare_output
+from elasticrl.world import world_paths
+
+
+def unpaired(pairs: list[dict], spec: JobSpec) -> list[dict]:
+    """KTO examples from preference pairs: each chosen response desirable, each rejected not."""
+    d = spec.data
+    return [{d.prompt_key: p[d.prompt_key], d.response_key: p[key], d.label_key: key == d.chosen_key}
+            for p in pairs for key in (d.chosen_key, d.rejected_key)]
+
+
+class PreferenceWorker:
+    def __init__(self, spec: dict, paths: dict[str, str]):
+        self.spec = load_spec(spec)
+        self.paths = paths
+
+    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+        s, d = self.spec, self.spec.data
+        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps)
+        self.tok = self.core.tokenizer
+        pair_keys = (d.prompt_key, d.chosen_key, d.rejected_key)
+        if s.algorithm == "kto" and self.paths["train_kind"] == "unpaired":
+            self.records = read_jsonl(self.paths["train"], (d.prompt_key, d.response_key, d.label_key))
+        else:
+            self.records = read_jsonl(self.paths["train"], pair_keys)
+            if s.algorithm == "kto":
+                self.records = unpaired(self.records, s)
+        self.eval_pairs = read_jsonl(self.paths["eval"], pair_keys)
+        self.eval_prompts = read_jsonl(self.paths["eval_prompts"], (d.prompt_key, d.answer_key)) \
+            if self.paths.get("eval_prompts") else []
+        self.ref = load_causal_lm(self.paths["model"], s.model.trust_remote_code).to(
+            self.core.device, torch_dtype(self.core.dtype)).eval().requires_grad_(False)
+        self.table: dict | None = None  # precomputed reference log-probs
+        return {"dtype": self.core.dtype, "records": len(self.records)}
+
+    # --- log-probs -----------------------------------------------------------------------
+    def _encode(self, prompt: str, response: str) -> tuple[list[int], int]:
+        d = self.spec.data
+        return tokenize_sft(self.tok, prompt, response, d.apply_chat_template, d.max_length)
+
+    def _logps(self, model, examples, with_counts: bool = False):
+        sums, counts = response_logps(model, examples, self.tok.pad_token_id, self.spec.data.packing,
+                                      self.core.device)
+        return (sums, counts) if with_counts else sums
+
+    def _pair_examples(self, pairs: list[dict]) -> list:
+        d = self.spec.data
+        return [self._encode(p[d.prompt_key], p[k]) for k in (d.chosen_key, d.rejected_key) for p in pairs]
+
+    @torch.no_grad()
+    def _ref_pairs(self, pairs: list[dict], keys: list, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            got = torch.tensor([self.table[split][k] for k in keys], device=self.core.device)
+            return got[:, 0], got[:, 1]
+        lp = self._logps(self.ref, self._pair_examples(pairs)).float()
+        return lp[: len(pairs)], lp[len(pairs):]
+
+    @torch.no_grad()
+    def reference_share(self, train_keys: list[int], num_eval: int) -> dict:
+        """Reference log-probs of this rank's share of the train pairs the run will draw and of
+        the eval pairs (precomputed mode)."""
+        out = {}
+        eval_keys = list(range(min(num_eval, len(self.eval_pairs)) if num_eval else len(self.eval_pairs)))
+        for split, pairs, keys in (("train", self.records, train_keys), ("eval", self.eval_pairs, eval_keys)):
+            mine = keys[self.core.dp_rank::self.core.dp_size]
+            vals = []
+            for m in range(0, len(mine), 64):
+                c, r = self._ref_pairs([pairs[i] for i in mine[m:m + 64]], [], split)
+                vals += torch.stack([c, r], 1).tolist()
+            out[split] = dict(zip(mine, vals))
+        return out
+
+    def set_records(self, path: str) -> None:
+        """Train on these pairs from now on (iterative DPO: each round's)."""
+        d = self.spec.data
+        self.records = read_jsonl(path, (d.prompt_key, d.chosen_key, d.rejected_key))
+
+    def attach_rollout(self, *args) -> str:
+        return self.core.attach_rollout(*args)
+
+    def sync_weights(self, version: int) -> dict:
+        return self.core.sync_weights(version)
+
+    def use_reference_table(self, table: dict) -> None:
+        self.table = table
+        self.ref = None  # the frozen copy is no longer needed
+        backend.empty_cache()
+
+    # --- training ------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        s, core = self.spec, self.core
+        B = s.train.global_batch_size
+        idx = sample_indices(len(self.records), s.seed, step * B, B)[core.my_rows(B)]
+        core.engine.train()
+        stats = {"loss_sum": 0.0, "chosen_sum": 0.0, "rejected_sum": 0.0, "correct": 0, "rows": len(idx),
+                 "kl_ref": 0.0, "lr": core.engine.get_lr()[0], "leader": core.is_dp_leader}
+        mbs = s.train.micro_batch_size
+        for m in range(0, len(idx), mbs):
+            keys = idx[m:m + mbs]
+            rows = [self.records[i] for i in keys]
+            loss = self._kto(rows, stats) if s.algorithm == "kto" else self._dpo(rows, keys, stats)
+            core.engine.backward(loss / B * core.dp_size * core.grad_accum)
+            core.engine.step()
+            stats["loss_sum"] += loss.item() / B
+        return stats
+
+    def _dpo(self, pairs, keys, stats) -> torch.Tensor:
+        p = self.spec.preference
+        lp, counts = self._logps(self.core.engine, self._pair_examples(pairs), with_counts=True)
+        ref_c, ref_r = self._ref_pairs(pairs, keys, "train")
+        n = len(pairs)
+        loss, cr, rr = dpo_loss(lp[:n], lp[n:], ref_c, ref_r, p.beta, p.loss, p.label_smoothing, p.nll_coef, counts[:n])
+        stats["chosen_sum"] += float(cr.sum())
+        stats["rejected_sum"] += float(rr.sum())
+        stats["correct"] += int((cr > rr).sum())
+        return loss.sum()
+
+    def _kto(self, rows, stats) -> torch.Tensor:
+        s, d, p = self.spec, self.spec.data, self.spec.preference
+        examples = [self._encode(r[d.prompt_key], r[d.response_key]) for r in rows]
+        n = len(rows)
+        mismatched = [self._encode(rows[i][d.prompt_key], rows[(i + 1) % n][d.response_key]) for i in range(n)]
+        with torch.no_grad():
+            ref = self._logps(self.ref, examples + mismatched).float()
+            kl = (self._logps(self.core.engine, mismatched).float() - ref[n:]).mean()
+            if torch.distributed.is_initialized():  # one reference point for the whole batch
+                torch.distributed.all_reduce(kl)
+                kl /= torch.distributed.get_world_size()
+            z0 = kl.clamp(min=0)
+        lp = self._logps(self.core.engine, examples)
+        good = torch.tensor([bool(r[d.label_key]) for r in rows], device=lp.device)
+        loss = kto_loss(lp, ref[:n], good, z0, p.beta, p.desirable_weight, p.undesirable_weight)
+        reward = p.beta * (lp.detach().float() - ref[:n])
+        stats["chosen_sum"] += float(reward[good].sum())
+        stats["rejected_sum"] += float(reward[~good].sum())
+        stats["correct"] += int(good.sum())  # counts desirable rows (KTO has no pairs)
+        stats["kl_ref"] = float(z0)
+        return loss.sum()
+
+    # --- evaluation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, num_pairs: int, num_prompts: int) -> dict:
+        s, core = self.spec, self.core
+        core.engine.eval()
+        pairs = self.eval_pairs[:num_pairs] if num_pairs else self.eval_pairs
+        mine = list(range(core.dp_rank, len(pairs), core.dp_size))
+        out = {"correct": 0, "margin_sum": 0.0, "logp_margin_sum": 0.0, "total": len(mine), "leader": core.is_dp_leader}
+        for m in range(0, len(mine), 64):
+            keys = mine[m:m + 64]
+            chunk = [pairs[i] for i in keys]
+            lp = self._logps(core.engine, self._pair_examples(chunk)).float()
+            pc, pr = lp[: len(chunk)], lp[len(chunk):]
+            rc, rr = self._ref_pairs(chunk, keys, "eval")
+            margin = s.preference.beta * ((pc - rc) - (pr - rr))
+            out["correct"] += int((margin > 0).sum())
+            out["margin_sum"] += float(margin.sum())
+            out["logp_margin_sum"] += float((pc - pr).sum())
+        if self.eval_prompts:
+            prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
+            out["answers_correct"], out["answers"] = greedy_accuracy(
+                core.engine.module, self.tok, prompts, prompt_key=s.data.prompt_key, answer_key=s.data.answer_key,
+                apply_chat_template=s.data.apply_chat_template, max_new_tokens=s.eval.max_new_tokens,
+                dp_rank=core.dp_rank, dp_size=core.dp_size, synced=s.train.zero_stage == 3 or s.train.tp_size > 1,
+                device=core.device)
+        return out
+
+    def save(self, folder): self.core.save(folder)
+    def load(self, folder): self.core.load(folder)
+    def export(self, folder): self.core.export(folder)
+
+
+def resolve_preference_paths(spec: JobSpec) -> dict[str, str]:
+    world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
+    paths = {"model": initial_model(spec), "train": spec.data.train or str(world["preference"]),
+             "eval": spec.data.eval or str(world["preference_eval"]),
+             "eval_prompts": str(world["eval"]) if "eval" in world else ""}
+    first = read_jsonl(paths["train"], (spec.data.prompt_key,))[0]
+    paths["train_kind"] = "unpaired" if spec.data.label_key in first and spec.data.chosen_key not in first else "pairs"
+    return paths
+
+
+def run_preference(spec: JobSpec, output: Path) -> dict:
+    output = prepare_output(spec, output)
+    t = spec.train
+    with ray_session(spec.ray, num_cpus_needed=t.num_ranks):
+        paths = resolve_preference_paths(spec)
+        group = RoleGroup("trainer", PreferenceWorker, t.num_ranks, spec_to_dict(spec), paths,
+                          pool=pool_for(spec.placement.pools, "actor"))
+        try:
+            records = _count_records(spec, paths)
+            total = num_steps(t.max_steps, t.num_epochs, records, t.global_batch_size)
+            group.setup(total)
+            if spec.preference.reference == "precomputed":
+                drawn = total * t.global_batch_size  # only the pairs the run will draw
+                keys = list(range(records)) if drawn >= records else \
+                    sorted(set(sample_indices(records, spec.seed, 0, drawn)))
+                shares = group.call("reference_share", keys, spec.eval.num_prompts)
+                table = {split: {k: v for share in shares for k, v in share[split].items()} for split in ("train", "eval")}
+                group.call("use_reference_table", ray.put(table))
+            summary = _train(spec, group, output, total)
+        finally:
+            group.shutdown()
+    return summary
+
+
+def _count_records(spec: JobSpec, paths: dict) -> int:
+    d = spec.data
+    if paths["train_kind"] == "unpaired":
+        return len(read_jsonl(paths["train"], (d.prompt_key, d.response_key, d.label_key)))
+    pairs = len(read_jsonl(paths["train"], (d.prompt_key, d.chosen_key, d.rejected_key)))
+    return 2 * pairs if spec.algorithm == "kto" else pairs
+
+
+def _evaluate(group, spec) -> dict:
+    res = [r for r in group.call("evaluate", spec.eval.num_prompts, spec.eval.num_prompts) if r["leader"]]
+    n = max(1, sum(r["total"] for r in res))
+    row = {"eval/pairwise_accuracy": sum(r["correct"] for r in res) / n,
+           "eval/margin": sum(r["margin_sum"] for r in res) / n,
+           "eval/logp_margin": sum(r["logp_margin_sum"] for r in res) / n}
+    if "answers" in res[0]:
+        row["eval/accuracy"] = sum(r["answers_correct"] for r in res) / max(1, sum(r["answers"] for r in res))
+    return row
+
+
+def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int) -> dict:
+    def step_row(res):
+        rows = sum(r["rows"] for r in res)
+        row = {"loss": sum(r["loss_sum"] for r in res), "lr": res[0]["lr"]}
+        if spec.algorithm == "kto":  # "correct" counts the desirable rows
+            good = sum(r["correct"] for r in res)
+            return {**row, "reward/desirable": sum(r["chosen_sum"] for r in res) / max(1, good),
+                    "reward/undesirable": sum(r["rejected_sum"] for r in res) / max(1, rows - good),
+                    "kl_ref": res[0]["kl_ref"]}
+        chosen, rejected = sum(r["chosen_sum"] for r in res) / rows, sum(r["rejected_sum"] for r in res) / rows
+        return {**row, "reward/chosen": chosen, "reward/rejected": rejected, "reward/margin": chosen - rejected,
+                "reward/accuracy": sum(r["correct"] for r in res) / rows}
+
+    return offline_loop(spec, group, output, total, step_row, lambda: _evaluate(group, spec), "margin")

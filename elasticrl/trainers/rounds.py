@@ -1,0 +1,147 @@
+"""Rounds of generate -> score -> fine-tune: rejection sampling and iterative DPO.
+
+Each round, vLLM samples ``rl.samples_per_prompt`` completions for ``rounds.prompts_per_round``
+prompts with the current weights, the reward functions (or remote endpoints) score them, and:
+  rejection_sampling: the best completion of each prompt whose reward reaches
+    ``rounds.min_reward`` becomes an SFT example (Llama 2's rejection-sampling fine-tuning);
+  iterative_dpo: the best and the worst completion of each prompt whose rewards differ
+    become a chosen/rejected pair for DPO against the frozen starting model (online
+    iterative DPO, the reference stays the round-0 model).
+The trainer then takes ``rounds.steps_per_round`` optimizer steps on that round's data, and
+its weights are synced into vLLM before the next round. Each round's data is written to
+OUTPUT/rounds/N.jsonl (atomically) and metrics to metrics.jsonl, one row per round.
+
+Run it:
+  CPU:          elasticrl run examples/tiny_rejection_sampling.yaml --output runs/rs
+                elasticrl run examples/tiny_rejection_sampling.yaml --set algorithm=iterative_dpo
+  workstation:  the same with --set train.num_ranks=4 --set rollout.num_engines=2
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from elasticrl.cluster import RoleGroup, ray_session
+from elasticrl.cluster.placement import pool_for
+from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
+from elasticrl.models import load_tokenizer
+from elasticrl.rollout.pool import RolloutPool
+from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.trainers.init import initial_model
+from elasticrl.trainers.loop import MetricsLog, Progress, finish_run, prepare_output
+from elasticrl.trainers.preference import PreferenceWorker
+from elasticrl.trainers.rl import RewardSources, _evaluate
+from elasticrl.trainers.sft import SFTWorker
+from elasticrl.world import world_paths
+
+
+def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]], rewards: list[list[float]]) -> list[dict]:
+    """One round's training records from each prompt's scored completions."""
+    d, out = spec.data, []
+    for prompt, texts, scores in zip(prompts, completions, rewards):
+        best = max(range(len(texts)), key=lambda i: scores[i])
+        if spec.algorithm == "rejection_sampling":
+            if scores[best] >= spec.rounds.min_reward:
+                out.append({d.prompt_key: prompt[d.prompt_key], d.response_key: texts[best]})
+        else:
+            worst = min(range(len(texts)), key=lambda i: scores[i])
+            if scores[best] > scores[worst]:
+                out.append({d.prompt_key: prompt[d.prompt_key], d.chosen_key: texts[best],
+                            d.rejected_key: texts[worst]})
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def run_rounds(spec: JobSpec, output: Path) -> dict:
+    output = prepare_output(spec, output)
+    t, r = spec.train, spec.rounds
+    rewards = RewardSources(spec)
+    total = r.num_rounds * r.steps_per_round
+    with ray_session(spec.ray, num_cpus_needed=t.num_ranks + spec.rollout.num_engines * spec.rollout.cpus_per_engine):
+        world = world_paths(spec.world)
+        model = initial_model(spec)
+        # the workers' own data is replaced each round (set_records); evaluation runs on vLLM here
+        rs = spec.algorithm == "rejection_sampling"
+        paths = {"model": model, "train": str(world["sft" if rs else "preference"]),
+                 "eval": str(world["eval" if rs else "preference_eval"]), "eval_prompts": "", "train_kind": "pairs"}
+        prompts = read_jsonl(spec.data.train or str(world["rl_prompts"]), (spec.data.prompt_key, spec.data.answer_key))
+        evals = read_jsonl(spec.data.eval or str(world["eval"]), (spec.data.prompt_key, spec.data.answer_key))
+        worker = SFTWorker if spec.algorithm == "rejection_sampling" else PreferenceWorker
+        group = RoleGroup("trainer", worker, t.num_ranks, spec_to_dict(spec), paths,
+                          pool=pool_for(spec.placement.pools, "actor"))
+        pool = None
+        try:
+            group.setup(total)
+            pool = RolloutPool(model, spec.rollout, spec.model.dtype, spec.seed, spec.model.trust_remote_code,
+                               pool=pool_for(spec.placement.pools, "rollout"))
+            group.call("attach_rollout", pool.engines, pool.infos, spec.rollout.weight_sync, spec.rollout.bucket_mb,
+                       str(output / "weights"))
+            summary = _loop(spec, group, pool, rewards, prompts, evals, model, output)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+            group.shutdown()
+    return summary
+
+
+def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
+    r, rl, d = spec.rounds, spec.rl, spec.data
+    tok = load_tokenizer(model, spec.model.trust_remote_code)
+
+    def encode(text):
+        return tok(format_prompt(tok, text, d.apply_chat_template), add_special_tokens=False)["input_ids"]
+
+    eval_ids = [encode(e[d.prompt_key]) for e in evals[: spec.eval.num_prompts or None]]
+    metrics = MetricsLog(output / "metrics.jsonl", resume_step=None)
+    summary = {"initial": {"step": 0, "round": 0, **_evaluate(spec, pool, eval_ids, evals)}}
+    metrics.write(summary["initial"])
+    progress = Progress(r.num_rounds, 0, spec.log.progress_bar, desc=spec.algorithm)
+    row: dict = {}
+    for rnd in range(r.num_rounds):
+        t0 = time.time()
+        idx = sample_indices(len(prompts), spec.seed, rnd * r.prompts_per_round, r.prompts_per_round)
+        batch = [prompts[i] for i in idx]
+        sampling = {"n": rl.samples_per_prompt, "temperature": rl.temperature, "top_p": rl.top_p,
+                    "max_tokens": rl.max_new_tokens, "seed": spec.seed + (rnd + 1) * 1_000_003}
+        results = pool.generate([encode(p[d.prompt_key]) for p in batch], sampling)
+        texts = [[] for _ in batch]
+        for res in results:
+            texts[res["prompt_index"]].append(res["text"])
+        flat = [t for ts in texts for t in ts]
+        owners = [batch[i] for i, ts in enumerate(texts) for _ in ts]
+        scores = rewards([p[d.prompt_key] for p in owners], flat, [p.get(d.answer_key) for p in owners], None, []).tolist()
+        k = rl.samples_per_prompt
+        per_prompt = [scores[i * k:(i + 1) * k] for i in range(len(batch))]
+        records = select(spec, batch, texts, per_prompt)
+        data = output / "rounds" / f"{rnd + 1}.jsonl"
+        _write_jsonl(data, records)
+        t_gen = time.time() - t0
+        row = {"step": (rnd + 1) * r.steps_per_round, "round": rnd + 1, "round/reward_mean": sum(scores) / len(scores),
+               "round/records": len(records), "time/generate": t_gen}
+        if records:
+            group.call("set_records", str(data))
+            t1 = time.time()
+            losses = []
+            for s in range(r.steps_per_round):
+                losses.append(_train_step(group, rnd * r.steps_per_round + s))
+            row.update({"loss": sum(losses) / len(losses), "time/train": time.time() - t1})
+            row.update(group.call("sync_weights", rnd + 1)[0])
+        row.update(_evaluate(spec, pool, eval_ids, evals))
+        metrics.write(row)
+        progress.update(records=len(records), acc=row["eval/accuracy"])
+    return finish_run(group, spec, output, summary, row, progress, metrics)
+
+
+def _train_step(group: RoleGroup, step: int) -> float:
+    res = group.call("train_step", step)
+    if "nll_sum" in res[0]:  # SFT: mean over the global batch's response tokens
+        return sum(x["nll_sum"] for x in res if x["dp_leader"]) / max(1, res[0]["global_tokens"])
+    return sum(x["loss_sum"] for x in res if x["leader"])

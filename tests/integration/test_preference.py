@@ -1,0 +1,76 @@
+"""The alignment trainers of the paper's appendix end to end on the tiny world with 2
+DeepSpeed ranks: DPO, IPO, conservative DPO and KTO must move the policy towards the chosen
+answers on held-out pairs; rejection sampling and iterative DPO must sample with vLLM, keep
+the right records, train and sync (their learning on the full examples is in the README)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticrl.data.records import read_jsonl
+from elasticrl.spec import load_spec
+from elasticrl.trainers.preference import run_preference
+from elasticrl.trainers.rounds import run_rounds
+from elasticrl.world import world_paths
+from elasticrl.world.task import is_correct
+from tests.conftest import EXAMPLES
+
+pytestmark = pytest.mark.slow
+
+BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "checkpoint.resume=null",
+        "init.sft_steps=60", "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=32",
+        "train.max_steps=12", "train.lr=2e-4", "eval.every_steps=0", "eval.num_prompts=64", "eval.max_new_tokens=6"]
+
+
+@pytest.mark.parametrize("variant", [
+    ["algorithm=dpo", "preference.reference=precomputed", "data.packing=true"],
+    ["algorithm=dpo", "preference.loss=ipo"],
+    ["algorithm=dpo", "preference.label_smoothing=0.1"],
+    # a pair gives KTO two examples: twice the steps see the same pairs as DPO's 12
+    ["algorithm=kto", "data.packing=true", "train.max_steps=24"],
+], ids=["dpo-precomputed-packed", "ipo", "cdpo", "kto-packed"])
+def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, variant):
+    spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + variant)
+    summary = run_preference(spec, tmp_path / "run")
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, last = rows[0], rows[-1]
+    steps = spec.train.max_steps
+    assert first["step"] == 0 and last["step"] == steps
+    # at step 0 the policy is the reference: the implicit reward margin is exactly 0
+    assert first["eval/margin"] == pytest.approx(0.0, abs=1e-5)
+    # KTO never contrasts a right answer with its near miss directly: it learns the pairs slower
+    assert last["eval/margin"] > 0.02 and last["eval/pairwise_accuracy"] > (0.5 if spec.algorithm == "kto" else 0.6), last
+    # the policy's own preference for the right answer grew
+    assert last["eval/logp_margin"] > first["eval/logp_margin"] + 0.2, (first, last)
+    assert summary["final"]["step"] == steps and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    if spec.algorithm == "kto":
+        assert all(r["kl_ref"] >= 0 for r in rows[1:])  # the reference point is clamped at 0
+    else:
+        assert last["reward/margin"] > 0
+
+
+ROUNDS = ["model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null", "init.sft_steps=60",
+          "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=16", "rounds.num_rounds=2",
+          "rounds.prompts_per_round=32", "rounds.steps_per_round=2", "rl.samples_per_prompt=4", "rl.eval_samples=2",
+          "eval.num_prompts=32", "eval.max_new_tokens=6"]
+
+
+@pytest.mark.parametrize("algorithm", ["rejection_sampling", "iterative_dpo"])
+def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algorithm):
+    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + [f"algorithm={algorithm}"])
+    summary = run_rounds(spec, tmp_path / "run")
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2] and all("eval/accuracy" in r for r in rows)
+    answers = {r["prompt"]: r["answer"] for r in read_jsonl(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
+    for rnd in (1, 2):
+        data = read_jsonl(tmp_path / "run" / "rounds" / f"{rnd}.jsonl", ("prompt",))
+        assert rows[rnd]["round/records"] == len(data) > 0
+        for rec in data:  # exact_answer scores 1 or 0: kept answers are right, rejected ones wrong
+            if algorithm == "rejection_sampling":
+                assert is_correct(rec["response"], answers[rec["prompt"]])
+            else:
+                assert is_correct(rec["chosen"], answers[rec["prompt"]])
+                assert not is_correct(rec["rejected"], answers[rec["prompt"]])
+        assert rows[rnd]["sync/version"] == rnd and rows[rnd]["loss"] == rows[rnd]["loss"]
+    assert summary["final"]["round"] == 2 and (tmp_path / "run" / "final" / "model.safetensors").is_file()

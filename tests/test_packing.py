@@ -1,0 +1,58 @@
+"""Packed batches (sequences end to end, position ids restarting) score exactly like padded ones."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from elasticrl.algorithms.preference import dpo_loss
+from elasticrl.models.scoring import response_logps
+
+
+def _model(attn: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _examples(seed: int, n: int) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(4, 15, (1,), generator=g))
+        plen = int(torch.randint(1, length - 1, (1,), generator=g))
+        out.append((torch.randint(1, 50, (length,), generator=g).tolist(), plen))
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_and_padded_give_the_same_logps_losses_and_gradients(attn):
+    model = _model(attn)
+    chosen, rejected = _examples(1, 6), _examples(2, 6)
+    results = {}
+    for packed in (False, True):
+        model.zero_grad()
+        pc, nc = response_logps(model, chosen, pad_id=0, packed=packed)
+        pr, nr = response_logps(model, rejected, pad_id=0, packed=packed)
+        loss = dpo_loss(pc, pr, pc.detach() - 0.3, pr.detach() + 0.2, beta=0.5)[0].mean()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[packed] = (pc.detach(), nc, pr.detach(), loss.detach(), grads)
+    (pc0, nc0, pr0, l0, g0), (pc1, nc1, pr1, l1, g1) = results[False], results[True]
+    assert torch.equal(nc0, nc1) and nc0.tolist() == [len(s) - p for s, p in chosen]
+    torch.testing.assert_close(pc1, pc0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pr1, pr0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g1, g0, atol=1e-5, rtol=1e-4)
+
+
+def test_packing_keeps_sequences_apart():
+    # the same sequence scores the same whatever is packed before it
+    model = _model("sdpa")
+    target = _examples(3, 1)
+    with torch.no_grad():
+        alone = response_logps(model, target, pad_id=0, packed=True)[0]
+        after = response_logps(model, _examples(4, 3) + target, pad_id=0, packed=True)[0][-1:]
+    torch.testing.assert_close(after, alone, atol=1e-5, rtol=0)
