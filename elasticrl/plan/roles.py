@@ -26,7 +26,7 @@ def reward_models(spec: JobSpec) -> int:
 
 def job_roles(spec: JobSpec) -> dict[str, Role]:
     n = spec.train.num_ranks
-    if spec.algorithm == "sft":
+    if spec.algorithm in ("sft", "conditional_sft"):
         return {"actor": Role("lm", n)}
     if spec.algorithm == "rm":
         return {"actor": Role("value", n)}

@@ -245,6 +245,12 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
             (spec.algorithm == "ppo" and spec.init.rm_steps)):
         raise SpecError("rewards", "an RL job needs at least one reward function, model or remote endpoint "
                                    "(or, for ppo, init.rm_steps to train a reward model first)")
+    if spec.algorithm == "conditional_sft":
+        for name in ("eval_attributes", "compare_attributes"):
+            try:
+                parse_attributes(getattr(spec.conditional, name), f"conditional.{name}")
+            except ValueError as exc:
+                raise SpecError(f"conditional.{name}", str(exc).split(": ", 1)[1]) from None
     if spec.algorithm in ("rejection_sampling", "iterative_dpo"):
         if spec.rewards.models:
             raise SpecError("rewards.models", f"{spec.algorithm} scores with reward functions or remote endpoints; "
@@ -311,3 +317,14 @@ def describe(cls=JobSpec, prefix: str = "") -> list[tuple[str, str, str]]:
         shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
         rows.append((path, shown, f.metadata.get("doc", "")))
     return rows
+
+
+def parse_attributes(text: str, field: str) -> dict[str, str]:
+    """'quality:1,helpful:3' -> {'quality': '1', 'helpful': '3'}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition(":")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{field}: {item!r} is not name:value (e.g. quality:1,helpful:3)")
+        out[name.strip()] = value.strip()
+    return out

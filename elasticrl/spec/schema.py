@@ -185,6 +185,17 @@ class RoundsSpec:
 
 
 @dataclass
+class ConditionalSpec:
+    """Conditional SFT (SteerLM style): attribute scores written in front of each prompt."""
+
+    attributes_key: str = doc("Key of each line's attribute scores (a JSON object) in data.train.", "attributes")
+    eval_attributes: str = doc("Attributes asked for when evaluating held-out prompts, as name:value,...",
+                               "quality:1")
+    compare_attributes: str = doc("Also evaluate the final model with these attributes (the gap shows it follows "
+                                  "them); empty skips.", "quality:0")
+
+
+@dataclass
 class RewardFunctionSpec:
     path: str = doc("Import path package.module:function of fn(prompt, completion, answer) -> float.",
                     "elasticrl.rewards.functions:exact_answer")
@@ -292,8 +303,8 @@ class RaySpec:
 class JobSpec:
     """One job: ``algorithm`` picks the trainer, the rest configures it."""
 
-    algorithm: Literal["sft", "rm", "dpo", "kto", "rejection_sampling", "iterative_dpo", "grpo", "ppo",
-                       "reinforce++", "rloo"] = doc(
+    algorithm: Literal["sft", "conditional_sft", "rm", "dpo", "kto", "rejection_sampling", "iterative_dpo", "grpo",
+                       "ppo", "reinforce++", "rloo"] = doc(
         "Which trainer runs the job.", "sft")
     seed: int = doc("Seed of model init, data order and sampling.", 1234)
     world: WorldSpec = doc("The embedded tiny world.", factory=WorldSpec)
@@ -303,6 +314,7 @@ class JobSpec:
     rollout: RolloutSpec = doc("vLLM rollout engines.", factory=RolloutSpec)
     rl: RLSpec = doc("RL trainers.", factory=RLSpec)
     preference: PreferenceSpec = doc("Preference trainers (dpo, kto, iterative_dpo).", factory=PreferenceSpec)
+    conditional: ConditionalSpec = doc("Conditional SFT (conditional_sft).", factory=ConditionalSpec)
     rounds: RoundsSpec = doc("Generate-score-train rounds (rejection_sampling, iterative_dpo).", factory=RoundsSpec)
     rewards: RewardsSpec = doc("Where rewards come from.", factory=RewardsSpec)
     critic: CriticSpec = doc("The critic (ppo).", factory=CriticSpec)

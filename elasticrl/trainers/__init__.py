@@ -15,6 +15,10 @@ def run_job(spec: JobSpec, output: Path) -> dict:
         from elasticrl.trainers.rl import run_rl
 
         return run_rl(spec, output)
+    if spec.algorithm == "conditional_sft":
+        from elasticrl.trainers.conditional import run_conditional
+
+        return run_conditional(spec, output)
     if spec.algorithm in ("dpo", "kto"):
         from elasticrl.trainers.preference import run_preference
 

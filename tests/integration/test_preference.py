@@ -1,7 +1,8 @@
 """The alignment trainers of the paper's appendix end to end on the tiny world with 2
 DeepSpeed ranks: DPO, IPO, conservative DPO and KTO must move the policy towards the chosen
 answers on held-out pairs; rejection sampling and iterative DPO must sample with vLLM, keep
-the right records, train and sync (their learning on the full examples is in the README)."""
+the right records, train and sync; conditional SFT must train on attribute-marked prompts
+(their learning on the full examples is in the README)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import pytest
 
 from elasticrl.data.records import read_jsonl
 from elasticrl.spec import load_spec
+from elasticrl.trainers.conditional import run_conditional
 from elasticrl.trainers.preference import run_preference
 from elasticrl.trainers.rounds import run_rounds
 from elasticrl.world import world_paths
@@ -74,3 +76,25 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
                 assert not is_correct(rec["rejected"], answers[rec["prompt"]])
         assert rows[rnd]["sync/version"] == rnd and rows[rnd]["loss"] == rows[rnd]["loss"]
     assert summary["final"]["round"] == 2 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_path):
+    spec = load_spec(EXAMPLES / "tiny_conditional_sft.yaml", [
+        "model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null", "train.micro_batch_size=16",
+        "train.max_steps=20", "eval.every_steps=0", "eval.num_prompts=32", "eval.max_new_tokens=6"])
+    summary = run_conditional(spec, tmp_path / "run")
+    folder = tmp_path / "run" / "conditional"
+    train = read_jsonl(folder / "train.jsonl", ("prompt", "response"))
+    answers = {r["prompt"]: r["answer"] for r in read_jsonl(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
+    marked = {"[quality:0] ": 0, "[quality:1] ": 0}
+    for rec in train:
+        tag, prompt = rec["prompt"][:12], rec["prompt"][12:]
+        marked[tag] += 1
+        if prompt in answers:  # near misses are marked 0, right answers 1
+            assert is_correct(rec["response"], answers[prompt]) == (tag == "[quality:1] ")
+    assert marked["[quality:0] "] > 0 and marked["[quality:1] "] > marked["[quality:0] "]
+    evals = read_jsonl(folder / "eval.jsonl", ("prompt", "answer"))
+    assert all(e["prompt"].startswith("[quality:1] ") for e in evals)
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1] == {"step": 20, "eval/compare_accuracy": summary["compare_accuracy"]}
+    assert "eval/accuracy" in rows[-2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
