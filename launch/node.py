@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -113,10 +114,28 @@ def _stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
             pass
 
 
-def _gcs_get(address: str, key: bytes):
-    import ray._raylet
+def _gcs_get(address: str, key: bytes, timeout_s: float = 10.0):
+    """A value of Ray's key-value store, read in a daemon thread. With the head gone, the GCS
+    client blocks ~40 s inside C++, where this process cannot act on SIGTERM; Slurm would kill
+    it after KillWait, before it stopped its Ray (the Slurm cancel test caught this)."""
+    box: dict = {}
 
-    return ray._raylet.GcsClient(address=address).internal_kv_get(key, None)
+    def read():
+        try:
+            import ray._raylet
+
+            box["value"] = ray._raylet.GcsClient(address=address).internal_kv_get(key, None)
+        except Exception as exc:  # handed to the caller
+            box["error"] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)  # a signal interrupts this wait
+    if reader.is_alive():
+        raise TimeoutError(f"no answer from the Ray head at {address} within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _node_ip(host: str | None = None) -> str:
