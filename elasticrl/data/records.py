@@ -8,6 +8,7 @@ where it stopped, with nothing but the step number saved.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -48,6 +49,16 @@ def tokenize_sft(tokenizer, prompt: str, response: str, apply_chat_template: boo
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = (prompt_ids + response_ids)[:max_length]
     return ids, min(len(prompt_ids), len(ids))
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> str:
+    """One JSON object per line, written atomically (temp name, then rename); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return str(path)
 
 
 def sample_indices(num_records: int, seed: int, start: int, count: int) -> list[int]:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
-from elasticrl.data.records import read_jsonl
+from elasticrl.data.records import read_jsonl, write_jsonl
 from elasticrl.spec import JobSpec
 from elasticrl.spec.load import parse_attributes
 from elasticrl.world import world_paths
@@ -29,14 +28,6 @@ from elasticrl.world import world_paths
 
 def condition(prompt: str, attributes: dict) -> str:
     return "[" + ",".join(f"{k}:{attributes[k]}" for k in sorted(attributes)) + "] " + prompt
-
-
-def _write(path: Path, rows: list[dict]) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
-    return str(path)
 
 
 def conditioned_data(spec: JobSpec, folder: Path) -> tuple[str, str, str]:
@@ -61,9 +52,9 @@ def conditioned_data(spec: JobSpec, folder: Path) -> tuple[str, str, str]:
     evals = read_jsonl(d.eval or world["eval"], (d.prompt_key, d.answer_key))
     want = parse_attributes(c.eval_attributes, "conditional.eval_attributes")
     other = parse_attributes(c.compare_attributes, "conditional.compare_attributes")
-    return (_write(folder / "train.jsonl", train),
-            _write(folder / "eval.jsonl", [{**e, d.prompt_key: condition(e[d.prompt_key], want)} for e in evals]),
-            _write(folder / "compare.jsonl", [{**e, d.prompt_key: condition(e[d.prompt_key], other)} for e in evals]))
+    return (write_jsonl(folder / "train.jsonl", train),
+            write_jsonl(folder / "eval.jsonl", [{**e, d.prompt_key: condition(e[d.prompt_key], want)} for e in evals]),
+            write_jsonl(folder / "compare.jsonl", [{**e, d.prompt_key: condition(e[d.prompt_key], other)} for e in evals]))
 
 
 def run_conditional(spec: JobSpec, output: Path) -> dict:

@@ -18,14 +18,12 @@ Run it:
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
 from elasticrl.cluster import RoleGroup, ray_session
 from elasticrl.cluster.placement import pool_for
-from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
+from elasticrl.data.records import format_prompt, read_jsonl, sample_indices, write_jsonl
 from elasticrl.models import load_tokenizer
 from elasticrl.rollout.pool import RolloutPool
 from elasticrl.spec import JobSpec, spec_to_dict
@@ -51,13 +49,6 @@ def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]], rew
                 out.append({d.prompt_key: prompt[d.prompt_key], d.chosen_key: texts[best],
                             d.rejected_key: texts[worst]})
     return out
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
 
 
 def run_rounds(spec: JobSpec, output: Path) -> dict:
@@ -122,7 +113,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
         per_prompt = [scores[i * k:(i + 1) * k] for i in range(len(batch))]
         records = select(spec, batch, texts, per_prompt)
         data = output / "rounds" / f"{rnd + 1}.jsonl"
-        _write_jsonl(data, records)
+        write_jsonl(data, records)
         t_gen = time.time() - t0
         row = {"step": (rnd + 1) * r.steps_per_round, "round": rnd + 1, "round/reward_mean": sum(scores) / len(scores),
                "round/records": len(records), "time/generate": t_gen}
