@@ -32,6 +32,8 @@ import time
 import zlib
 from pathlib import Path
 
+from elasticrl.files import write_text
+
 DONE_KEY = b"elasticrl:done"
 _terminating = False  # set by SIGTERM: clean up fast, Slurm kills the step after KillWait
 POOL_PREFIX = "elasticrl_pool_"
@@ -50,12 +52,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _publish(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -177,7 +173,7 @@ def head(ns: argparse.Namespace) -> int:
             _stop(proc, 1.0)  # whatever it had started
         else:
             raise RuntimeError(f"the Ray head failed to start 3 times; see {log_path}")
-        _publish(port_file(ns.app_id), str(port))
+        write_text(port_file(ns.app_id), str(port))
         ray.init(address=f"{ip}:{port}", logging_level="WARNING")
         signal.signal(signal.SIGTERM, _terminated)  # ray.init installs its own, which skips our cleanup
         _wait(lambda: _alive(ray) >= ns.expect, ns.timeout_s,

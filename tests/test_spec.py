@@ -51,7 +51,7 @@ BAD = [
     ({"train": {"lr": 0}}, [], "train.lr: expected a number > 0, got 0.0"),
     ({"train": {"zero_stage": 4}}, [], "train.zero_stage: expected one of 0, 1, 2, 3, got 4"),
     ({"model": {"dtype": "fp16"}}, [], "model.dtype: expected one of 'auto', 'bf16', 'fp32', got 'fp16'"),
-    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', 'conditional_sft', 'rm', 'dpo', 'kto', "
+    ({"algorithm": "ppx"}, [], "algorithm: expected one of 'sft', 'conditional_sft', 'rm', 'prm', 'dpo', 'kto', "
                               "'rejection_sampling', 'iterative_dpo', 'grpo', 'ppo', 'reinforce++', 'rloo', got 'ppx' "
                               "(did you mean 'ppo'?)"),
     ({"algorithm": "conditional_sft", "conditional": {"eval_attributes": "quality=1"}}, [],

@@ -15,11 +15,13 @@ from elasticrl.world.tokenizer import VOCAB_SIZE, build_tokenizer
 
 # Recorded from a build of the default world (torch 2.13.0, transformers 5.19.0). A change
 # here means users' worlds changed: bump build.FORMAT_VERSION and record the new values.
-DEFAULT_WORLD_SHA256 = "36f1e1934e00edd947d6be89f7b8a52eda216cfea34f3751439dc70f396e3484"
+DEFAULT_WORLD_SHA256 = "c46b7e3dc9a8ba6cddd0e651102f716a598fb381a6d12734fb20e46614456d2c"
 DEFAULT_DATA_SHA256 = {
     "eval.jsonl": "b3ec73d17c4b02c2a0fd64d369c3a01b1afd4c2c324cd8c364292c40d769c572",
     "preference.jsonl": "ac9d77a7e9bc054758080ae7edb97b5856823a9440da0d14c652810e69d49af2",
     "preference_eval.jsonl": "2b40b3876ef5951f57ecebe2000c0916aba8b5cd24e50f50499080169aa69841",
+    "prm.jsonl": "a18dc24b4cac398b48f1f41cfcfa3786b004bb0dba47f348aff41d25cfb2a40a",
+    "prm_eval.jsonl": "c266cb8652d36ee349a257d3838548d975ce7393ed9ca04f078fa19ead420cef",
     "rl_prompts.jsonl": "45600853b9c97bcdb7c44e49677b4da859f2811f57ccc972157b83909869c625",
     "sft.jsonl": "e6cfbdecd7fb2f28f99df76e237124d17f12e29d4d110b7830b6adf17195ff56",
 }
@@ -81,6 +83,25 @@ def test_records_are_consistent():
     evals = {r["prompt"] for r in rec["eval"]}
     assert not evals & {r["prompt"] for r in rec["sft"]}
     assert not evals & {r["prompt"] for r in rec["rl_prompts"]}
+
+
+def test_step_labels_follow_the_problem():
+    rec = make_records(20, "+-", 400, 40, seed=1)
+    assert len(rec["prm_eval"]) == 4 * 10 and len(rec["prm"]) == 4 * 40
+    assert not {r["prompt"] for r in rec["prm_eval"]} & {r["prompt"] for r in rec["prm"]}
+    kinds = set()
+    for r in rec["prm"] + rec["prm_eval"]:
+        (expr1, x), (expr2, y) = (step.split("=") for step in r["steps"])
+        assert eval(expr1) == int(x) and eval(expr2) == int(y)  # each step's own arithmetic is right
+        # step 1 is on track when it restates the problem's first operation; step 2 when it
+        # also goes on from step 1's result with the problem's last operation
+        problem = r["prompt"][:-1]
+        first_ok = problem.startswith(expr1) and problem[len(expr1)] in "+-"
+        second_ok = first_ok and expr2 == x + problem[len(expr1):]
+        assert r["labels"] == [int(first_ok), int(second_ok)], r
+        kinds.add((tuple(r["labels"]), int(y) == eval(problem)))
+    # right; misread and carried on; a wrong value carried into step 2; two misreads that cancel
+    assert kinds == {((1, 1), True), ((0, 0), False), ((1, 0), False), ((0, 0), True)}
 
 
 @pytest.mark.parametrize("completion, answer, ok", [

@@ -1,4 +1,4 @@
-"""Pairwise preference losses."""
+"""Reward-model and preference losses."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +12,14 @@ def bradley_terry_loss(chosen_b: torch.Tensor, rejected_b: torch.Tensor, margin_
     if margin_b is not None:
         diff = diff - margin_b
     return -F.logsigmoid(diff).mean()
+
+
+def process_reward_loss(values_bt: torch.Tensor, markers_bt: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of the scalar head's logit at each step-marker token against the
+    step's label (1 = still on track, 0 = wrong; soft labels in between, as Math-Shepherd's
+    estimated ones), mean over the markers. ``markers_bt`` is True at marker positions;
+    ``labels_bt`` holds the labels there (anything elsewhere)."""
+    return F.binary_cross_entropy_with_logits(values_bt[markers_bt].float(), labels_bt[markers_bt].float())
 
 
 def dpo_loss(policy_chosen_b: torch.Tensor, policy_rejected_b: torch.Tensor, ref_chosen_b: torch.Tensor,

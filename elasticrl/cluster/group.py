@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -103,3 +104,9 @@ class RoleGroup:
             ray.kill(a, no_restart=True)
         if self.owns_pg:
             remove_placement_group(self.pg)
+
+
+def gather_rows(parts: list[dict], key: str) -> torch.Tensor:
+    """Reassemble per-rank row slices (tensor-parallel duplicates skipped) in row order."""
+    pieces = sorted((p["rows"], p[key]) for p in parts if p["leader"] and p[key] is not None)
+    return torch.cat([t for _, t in pieces])

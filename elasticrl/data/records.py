@@ -8,10 +8,11 @@ where it stopped, with nothing but the step number saved.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from elasticrl.files import write_text
 
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
@@ -53,12 +54,7 @@ def tokenize_sft(tokenizer, prompt: str, response: str, apply_chat_template: boo
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> str:
     """One JSON object per line, written atomically (temp name, then rename); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
-    return str(path)
+    return str(write_text(path, "".join(json.dumps(r) + "\n" for r in rows)))
 
 
 def sample_indices(num_records: int, seed: int, start: int, count: int) -> list[int]:

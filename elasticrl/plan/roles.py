@@ -28,7 +28,7 @@ def job_roles(spec: JobSpec) -> dict[str, Role]:
     n = spec.train.num_ranks
     if spec.algorithm in ("sft", "conditional_sft"):
         return {"actor": Role("lm", n)}
-    if spec.algorithm == "rm":
+    if spec.algorithm in ("rm", "prm"):
         return {"actor": Role("value", n)}
     if spec.algorithm in PREFERENCE_ALGORITHMS:
         return {"actor": Role("lm", n), "reference": Role("lm", n)}

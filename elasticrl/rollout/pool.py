@@ -7,7 +7,9 @@ from elasticrl import backend
 from elasticrl.cluster import RoleGroup
 from elasticrl.rollout.hf_engine import HFRolloutEngine
 from elasticrl.rollout.engine import RolloutEngine
+from elasticrl.spec import JobSpec
 from elasticrl.spec.schema import RolloutSpec
+from elasticrl.world.task import is_correct
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +84,18 @@ class RolloutPool:
             self.group.call("shutdown")
         finally:
             self.group.shutdown()
+
+
+def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals: list[dict]) -> dict:
+    """Held-out accuracy of greedy answers, and pass@k of ``rl.eval_samples`` sampled ones."""
+    ak, k = spec.data.answer_key, spec.rl.eval_samples
+    greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens})
+    out = {"eval/accuracy": sum(is_correct(r["text"], evals[r["prompt_index"]][ak]) for r in greedy) / len(eval_ids)}
+    if k > 1:
+        sampled = pool.generate(eval_ids, {"n": k, "temperature": spec.rl.temperature, "top_p": spec.rl.top_p,
+                                           "max_tokens": spec.eval.max_new_tokens, "seed": spec.seed})
+        hit = [False] * len(eval_ids)
+        for r in sampled:
+            hit[r["prompt_index"]] |= is_correct(r["text"], evals[r["prompt_index"]][ak])
+        out[f"eval/pass@{k}"] = sum(hit) / len(eval_ids)
+    return out

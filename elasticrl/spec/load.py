@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import os
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from elasticrl.files import write_text
 from elasticrl.spec.schema import JobSpec
 
 
@@ -293,12 +294,7 @@ def spec_to_dict(spec) -> dict:
 
 def dump_spec(spec: JobSpec, path: Path) -> None:
     """Write the resolved spec (defaults filled in) atomically: temp file, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(spec_to_dict(spec), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    write_text(path, yaml.safe_dump(spec_to_dict(spec), sort_keys=False))
 
 
 def describe(cls=JobSpec, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -314,7 +310,10 @@ def describe(cls=JobSpec, prefix: str = "") -> list[tuple[str, str, str]]:
         default = spec_to_dict(default) if dataclasses.is_dataclass(default) else default
         if isinstance(default, (list, tuple)):
             default = [spec_to_dict(d) if dataclasses.is_dataclass(d) else d for d in default]
-        shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+        if isinstance(default, str) and not default.isprintable():  # "\n" as YAML writes it in a spec
+            shown = json.dumps(default)
+        else:
+            shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
         rows.append((path, shown, f.metadata.get("doc", "")))
     return rows
 

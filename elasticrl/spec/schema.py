@@ -56,6 +56,13 @@ class DataSpec:
     rejected_key: str = doc("Key of the dispreferred response in preference lines (rm, dpo).", "rejected")
     label_key: str = doc("Key of the desirable (true) / undesirable (false) flag in unpaired lines (kto).",
                          "label")
+    margin_key: str = doc("rm: key of a pair's optional margin, how much more the chosen response should "
+                          "score (Llama 2); a line without it has margin 0.", "margin")
+    steps_key: str = doc("prm: key of a solution's list of steps (strings).", "steps")
+    step_labels_key: str = doc("prm: key of the steps' labels, one per step: 1 on track, 0 wrong, or a soft "
+                               "label in between.", "labels")
+    step_marker: str = doc("prm: the token written after every step, where the head reads the step's score; "
+                           "must be one token of the model's tokenizer.", "\n")
     apply_chat_template: bool = doc("Wrap prompts in the tokenizer's chat template.", True)
     max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
     packing: bool = doc("dpo, kto: lay the sequences of a micro-batch end to end (no padding); same "
@@ -303,7 +310,7 @@ class RaySpec:
 class JobSpec:
     """One job: ``algorithm`` picks the trainer, the rest configures it."""
 
-    algorithm: Literal["sft", "conditional_sft", "rm", "dpo", "kto", "rejection_sampling", "iterative_dpo", "grpo",
+    algorithm: Literal["sft", "conditional_sft", "rm", "prm", "dpo", "kto", "rejection_sampling", "iterative_dpo", "grpo",
                        "ppo", "reinforce++", "rloo"] = doc(
         "Which trainer runs the job.", "sft")
     seed: int = doc("Seed of model init, data order and sampling.", 1234)

@@ -31,4 +31,8 @@ def run_job(spec: JobSpec, output: Path) -> dict:
         from elasticrl.trainers.rm import run_rm
 
         return run_rm(spec, output)
+    if spec.algorithm == "prm":
+        from elasticrl.trainers.prm import run_prm
+
+        return run_prm(spec, output)
     raise ValueError(f"algorithm: {spec.algorithm!r} has no trainer yet")

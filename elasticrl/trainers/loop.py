@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints, read_trainer_state
+from elasticrl.files import write_text
 from elasticrl.spec import JobSpec, dump_spec
 
 
@@ -23,9 +23,7 @@ class MetricsLog:
         elif path.exists():  # drop lines past the checkpoint: the resumed run rewrites them
             kept = [ln for ln in path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, path)
+            write_text(path, "".join(ln + "\n" for ln in kept))
         self.fh = open(path, "a")
 
     def write(self, row: dict) -> None:

@@ -150,7 +150,7 @@ class PreferenceWorker:
         return loss.sum()
 
     def _kto(self, rows, stats) -> torch.Tensor:
-        s, d, p = self.spec, self.spec.data, self.spec.preference
+        d, p = self.spec.data, self.spec.preference
         examples = [self._encode(r[d.prompt_key], r[d.response_key]) for r in rows]
         n = len(rows)
         mismatched = [self._encode(rows[i][d.prompt_key], rows[(i + 1) % n][d.response_key]) for i in range(n)]

@@ -28,14 +28,14 @@ from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import RunningMoments, masked_whiten
 from elasticrl.cluster import RoleGroup, ray_session
+from elasticrl.cluster.group import gather_rows
 from elasticrl.cluster.placement import colocation_groups, pool_for
 from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.models import load_tokenizer
 from elasticrl.plan.roles import job_roles, reward_models
-from elasticrl.rewards.functions import load_function
-from elasticrl.rewards.remote import RemoteReward
-from elasticrl.rollout.pool import RolloutPool
+from elasticrl.rewards.sources import RewardSources
+from elasticrl.rollout.pool import RolloutPool, evaluate_answers
 from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.batch import behaviour_logprobs, pack
@@ -150,29 +150,6 @@ class Roles:
 
 
 # --- experience -------------------------------------------------------------------------
-def gather_rows(parts: list[dict], key: str) -> torch.Tensor:
-    """Reassemble per-rank row slices (tensor-parallel duplicates skipped) in row order."""
-    pieces = sorted((p["rows"], p[key]) for p in parts if p["leader"] and p[key] is not None)
-    return torch.cat([t for _, t in pieces])
-
-
-class RewardSources:
-    def __init__(self, spec: JobSpec):
-        self.functions = [(load_function(f.path, f"rewards.functions[{i}].path"), f.weight)
-                          for i, f in enumerate(spec.rewards.functions)]
-        self.remote = [(RemoteReward(r.url, r.timeout_s, r.retries), r.weight) for r in spec.rewards.remote]
-
-    def __call__(self, prompts: list[str], completions: list[str], answers: list, batch_ref, models) -> torch.Tensor:
-        total = torch.zeros(len(completions))
-        for fn, w in self.functions:
-            total += w * torch.tensor([float(fn(p, c, a)) for p, c, a in zip(prompts, completions, answers)])
-        for fn, w in self.remote:
-            total += w * torch.tensor(fn(prompts, completions, answers))
-        for group, w in models:
-            total += w * gather_rows(group.call("score", batch_ref), "values").float()
-        return total
-
-
 def _filter_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Indices of responses whose prompt group has varying rewards (dynamic sampling)."""
     g = rewards.view(-1, group_size)
@@ -215,9 +192,9 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
 
 
 def _loop(spec, roles, rewards, prompts, evals, paths, output, resume_dir) -> dict:
-    rl, t = spec.rl, spec.train
+    rl = spec.rl
     tok = load_tokenizer(paths["model"], spec.model.trust_remote_code)
-    pk, ak = spec.data.prompt_key, spec.data.answer_key
+    pk = spec.data.prompt_key
 
     def encode(text):
         return tok(format_prompt(tok, text, spec.data.apply_chat_template), add_special_tokens=False)["input_ids"]
@@ -242,7 +219,7 @@ def _loop(spec, roles, rewards, prompts, evals, paths, output, resume_dir) -> di
     metrics = MetricsLog(output / "metrics.jsonl", resume_step=start if resume_dir else None)
     summary: dict = {"transport": roles.actor.call_rank(0, "__ray_call__", lambda w: w.core.sender.transport)}
     if start == 0 and spec.eval.every_steps:
-        row = {"step": 0, **_evaluate(spec, roles.pool, eval_ids, evals)}
+        row = {"step": 0, **evaluate_answers(spec, roles.pool, eval_ids, evals)}
         metrics.write(row)
         summary["initial"] = row
     progress = Progress(rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
@@ -304,7 +281,7 @@ def _loop(spec, roles, rewards, prompts, evals, paths, output, resume_dir) -> di
                "time/train": t_train, "time/sync": t_sync, "time/step": seconds,
                "rollout/tokens_per_s": gen_tokens / max(t_rollout, 1e-9)}
         if (spec.eval.every_steps and done % spec.eval.every_steps == 0) or done == rl.num_steps:
-            row.update(_evaluate(spec, roles.pool, eval_ids, evals))
+            row.update(evaluate_answers(spec, roles.pool, eval_ids, evals))
         if done % spec.log.every_steps == 0 or "eval/accuracy" in row or done == rl.num_steps or done == 1:
             metrics.write(row)
         if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == rl.num_steps):
@@ -387,20 +364,6 @@ def _experience(spec, roles, rewards, results, idx, prompts, prompt_ids, tok, mo
     if spec.placement.colocate == "all":
         roles.pool.call("sleep")
     return batch, info
-
-
-def _evaluate(spec, pool, eval_ids, evals) -> dict:
-    ak, k = spec.data.answer_key, spec.rl.eval_samples
-    greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens})
-    out = {"eval/accuracy": sum(is_correct(r["text"], evals[r["prompt_index"]][ak]) for r in greedy) / len(eval_ids)}
-    if k > 1:
-        sampled = pool.generate(eval_ids, {"n": k, "temperature": spec.rl.temperature, "top_p": spec.rl.top_p,
-                                           "max_tokens": spec.eval.max_new_tokens, "seed": spec.seed})
-        hit = [False] * len(eval_ids)
-        for r in sampled:
-            hit[r["prompt_index"]] |= is_correct(r["text"], evals[r["prompt_index"]][ak])
-        out[f"eval/pass@{k}"] = sum(hit) / len(eval_ids)
-    return out
 
 
 def _save(spec, roles, output, step, version, moments) -> None:

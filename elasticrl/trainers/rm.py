@@ -2,7 +2,8 @@
 
 Variant: the reward of a (prompt, response) is the head's value at the last real token
 (the end-of-text token, as the paper's PPO reads it); the loss is
--log sigmoid(r_chosen - r_rejected), averaged over every pair of the global batch. The
+-log sigmoid(r_chosen - r_rejected - margin), averaged over every pair of the global batch,
+with a pair's margin read from ``data.margin_key`` (0 where a line has none, Llama 2). The
 export is a Hugging Face sequence-classification model, usable as ``rewards.models`` and as
 the critic's initialisation.
 
@@ -36,10 +37,13 @@ class RMWorker:
     def setup(self, rank, world_size, addr, port, total_steps) -> dict:
         s = self.spec
         self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value")
-        keys = (s.data.prompt_key, s.data.chosen_key, s.data.rejected_key)
-        self.pairs = read_jsonl(self.paths["train"], keys)
-        self.eval_pairs = read_jsonl(self.paths["eval"], keys)
+        self.pairs = read_jsonl(self.paths["train"], pair_keys(s))
+        self.eval_pairs = read_jsonl(self.paths["eval"], pair_keys(s))
         return {"dtype": self.core.dtype}
+
+    def model(self):
+        """The engine while training (gradients flow), its bare module in evaluation."""
+        return self.core.engine if self.core.engine.training else self.core.engine.module
 
     def _rewards(self, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         s, tok = self.spec, self.core.tokenizer
@@ -49,32 +53,42 @@ class RMWorker:
                 seqs.append(tokenize_sft(tok, p[s.data.prompt_key], p[key], s.data.apply_chat_template,
                                          s.data.max_length)[0])
         b = {k: v.to(self.core.device) for k, v in pad_batch(seqs, tok.pad_token_id).items()}
-        values = token_values(self.core.engine.module if not self.core.engine.training else self.core.engine,
-                              b["input_ids"], b["attention_mask"])
+        values = token_values(self.model(), b["input_ids"], b["attention_mask"])
         last = b["attention_mask"].sum(1) - 1
         r = values[torch.arange(len(seqs)), last]
         return r[: len(pairs)], r[len(pairs):]
 
+    def micro_batches(self, records: list[dict], step: int) -> list[list[dict]]:
+        """This rank's rows of step ``step``'s global batch, in micro-batches; the engine goes
+        into training mode."""
+        t = self.spec.train
+        idx = sample_indices(len(records), self.spec.seed, step * t.global_batch_size, t.global_batch_size)
+        self.core.engine.train()
+        mine = [records[i] for i in idx][self.core.my_rows(t.global_batch_size)]
+        return [mine[m:m + t.micro_batch_size] for m in range(0, len(mine), t.micro_batch_size)]
+
+    def backward(self, loss: torch.Tensor) -> float:
+        """Backward of a micro-batch's share of the global mean loss; the engine steps at the
+        accumulation boundary."""
+        core = self.core
+        core.engine.backward(loss * core.dp_size * core.grad_accum)
+        core.engine.step()
+        return loss.item()
+
     def train_step(self, step: int) -> dict:
-        s, core = self.spec, self.core
-        B = s.train.global_batch_size
-        idx = sample_indices(len(self.pairs), s.seed, step * B, B)
-        mine = [self.pairs[i] for i in idx][core.my_rows(B)]
-        mbs = s.train.micro_batch_size
-        core.engine.train()
-        loss_sum, correct, margin = 0.0, 0, 0.0
-        lr = core.engine.get_lr()[0]
-        for m in range(0, len(mine), mbs):
-            chosen, rejected = self._rewards(mine[m:m + mbs])
+        s, B = self.spec, self.spec.train.global_batch_size
+        loss_sum, correct, margin, pairs = 0.0, 0, 0.0, 0
+        lr = self.core.engine.get_lr()[0]
+        for part in self.micro_batches(self.pairs, step):
+            chosen, rejected = self._rewards(part)
+            margin_b = torch.tensor([float(p.get(s.data.margin_key, 0.0)) for p in part], device=chosen.device)
             # mean over this micro-batch's pairs, rescaled to a share of the global mean
-            loss = bradley_terry_loss(chosen, rejected) * len(chosen) / B
-            core.engine.backward(loss * core.dp_size * core.grad_accum)
-            core.engine.step()
-            loss_sum += loss.item()
+            loss_sum += self.backward(bradley_terry_loss(chosen, rejected, margin_b) * len(part) / B)
+            pairs += len(part)
             correct += int((chosen > rejected).sum())
-            margin += float((chosen - rejected).sum())
-        return {"loss_sum": loss_sum, "correct": correct, "margin_sum": margin, "pairs": len(mine), "lr": lr,
-                "leader": core.is_dp_leader}
+            margin += float((chosen - rejected).detach().sum())
+        return {"loss_sum": loss_sum, "correct": correct, "margin_sum": margin, "pairs": pairs, "lr": lr,
+                "leader": self.core.is_dp_leader}
 
     @torch.no_grad()
     def evaluate(self, num_pairs: int) -> dict:
@@ -85,7 +99,7 @@ class RMWorker:
         for m in range(0, len(mine), 64):
             chosen, rejected = self._rewards(mine[m:m + 64])
             correct += int((chosen > rejected).sum())
-            margin += float((chosen - rejected).sum())
+            margin += float((chosen - rejected).detach().sum())
         return {"correct": correct, "margin_sum": margin, "total": len(mine), "leader": self.core.is_dp_leader}
 
     def save(self, folder): self.core.save(folder)
@@ -93,25 +107,38 @@ class RMWorker:
     def export(self, folder): self.core.export(folder)
 
 
-def run_rm(spec: JobSpec, output: Path) -> dict:
+def pair_keys(spec: JobSpec) -> tuple[str, ...]:
+    return spec.data.prompt_key, spec.data.chosen_key, spec.data.rejected_key
+
+
+def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, str], read, step_row, evaluate,
+                     show: str) -> dict:
+    """The driver of a model with a scalar head trained on a fixed dataset (rm, prm):
+    ``datasets`` names the world's train and eval files used when data.train/eval are null,
+    ``read(path)`` reads and checks one (here first, so bad data fails before any worker starts);
+    ``evaluate(group, spec)`` makes the eval figures, ``show`` the one on the progress bar."""
     output = prepare_output(spec, output)
     t = spec.train
     summary: dict = {}
     with ray_session(spec.ray, num_cpus_needed=t.num_ranks):
         world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
-        paths = {"model": initial_model(spec), "train": spec.data.train or str(world["preference"]),
-                 "eval": spec.data.eval or str(world["preference_eval"])}
-        keys = (spec.data.prompt_key, spec.data.chosen_key, spec.data.rejected_key)
-        total = num_steps(t.max_steps, t.num_epochs, len(read_jsonl(paths["train"], keys)), t.global_batch_size)
-        read_jsonl(paths["eval"], keys)
-        group = RoleGroup("reward_model", RMWorker, t.num_ranks, spec_to_dict(spec), paths,
+        paths = {"model": initial_model(spec), "train": spec.data.train or str(world[datasets[0]]),
+                 "eval": spec.data.eval or str(world[datasets[1]])}
+        total = num_steps(t.max_steps, t.num_epochs, len(read(paths["train"])), t.global_batch_size)
+        read(paths["eval"])
+        group = RoleGroup("reward_model", worker, t.num_ranks, spec_to_dict(spec), paths,
                           pool=pool_for(spec.placement.pools, "actor"))
         try:
             group.setup(total)
-            summary.update(_train(spec, group, output, total))
+            summary.update(offline_loop(spec, group, output, total, step_row, lambda: evaluate(group, spec), show))
         finally:
             group.shutdown()
     return summary
+
+
+def run_rm(spec: JobSpec, output: Path) -> dict:
+    return run_head_trainer(spec, output, RMWorker, ("preference", "preference_eval"),
+                            lambda path: read_jsonl(path, pair_keys(spec)), _step_row, _evaluate, "pairwise_accuracy")
 
 
 def _evaluate(group, spec) -> dict:
@@ -121,10 +148,7 @@ def _evaluate(group, spec) -> dict:
             "eval/margin": sum(r["margin_sum"] for r in res) / n}
 
 
-def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int) -> dict:
-    def step_row(res):
-        pairs = sum(r["pairs"] for r in res)
-        return {"loss": sum(r["loss_sum"] for r in res), "accuracy": sum(r["correct"] for r in res) / pairs,
-                "margin": sum(r["margin_sum"] for r in res) / pairs, "lr": res[0]["lr"]}
-
-    return offline_loop(spec, group, output, total, step_row, lambda: _evaluate(group, spec), "pairwise_accuracy")
+def _step_row(res: list[dict]) -> dict:
+    pairs = sum(r["pairs"] for r in res)
+    return {"loss": sum(r["loss_sum"] for r in res), "accuracy": sum(r["correct"] for r in res) / pairs,
+            "margin": sum(r["margin_sum"] for r in res) / pairs, "lr": res[0]["lr"]}

@@ -25,12 +25,12 @@ from elasticrl.cluster import RoleGroup, ray_session
 from elasticrl.cluster.placement import pool_for
 from elasticrl.data.records import format_prompt, read_jsonl, sample_indices, write_jsonl
 from elasticrl.models import load_tokenizer
-from elasticrl.rollout.pool import RolloutPool
+from elasticrl.rewards.sources import RewardSources
+from elasticrl.rollout.pool import RolloutPool, evaluate_answers
 from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.trainers.init import initial_model
 from elasticrl.trainers.loop import MetricsLog, Progress, finish_run, prepare_output
 from elasticrl.trainers.preference import PreferenceWorker
-from elasticrl.trainers.rl import RewardSources, _evaluate
 from elasticrl.trainers.sft import SFTWorker
 from elasticrl.world import world_paths
 
@@ -92,7 +92,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
 
     eval_ids = [encode(e[d.prompt_key]) for e in evals[: spec.eval.num_prompts or None]]
     metrics = MetricsLog(output / "metrics.jsonl", resume_step=None)
-    summary = {"initial": {"step": 0, "round": 0, **_evaluate(spec, pool, eval_ids, evals)}}
+    summary = {"initial": {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals)}}
     metrics.write(summary["initial"])
     progress = Progress(r.num_rounds, 0, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
@@ -125,7 +125,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
                 losses.append(_train_step(group, rnd * r.steps_per_round + s))
             row.update({"loss": sum(losses) / len(losses), "time/train": time.time() - t1})
             row.update(group.call("sync_weights", rnd + 1)[0])
-        row.update(_evaluate(spec, pool, eval_ids, evals))
+        row.update(evaluate_answers(spec, pool, eval_ids, evals))
         metrics.write(row)
         progress.update(records=len(records), acc=row["eval/accuracy"])
     return finish_run(group, spec, output, summary, row, progress, metrics)

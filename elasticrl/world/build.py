@@ -16,8 +16,8 @@ from pathlib import Path
 
 from elasticrl.spec.schema import WorldSpec
 
-DATASETS = ("sft", "rl_prompts", "preference", "eval", "preference_eval")
-FORMAT_VERSION = 3  # bump when what a world contains changes
+DATASETS = ("sft", "rl_prompts", "preference", "eval", "preference_eval", "prm", "prm_eval")
+FORMAT_VERSION = 4  # bump when what a world contains changes
 
 
 def cache_root() -> Path:

@@ -60,7 +60,56 @@ def make_records(max_operand: int, operators: str, num_train: int, num_eval: int
     prefs = _preference_pairs(train, rng)
     evals = [{"prompt": p, "answer": str(a)} for p, a in held_out]
     return {"sft": sft, "rl_prompts": prompts, "preference": prefs, "eval": evals,
-            "preference_eval": _preference_pairs(held_out, rng)}
+            "preference_eval": _preference_pairs(held_out, rng), **_step_records(max_operand, operators, num_train,
+                                                                                 num_eval, seed)}
+
+
+def _near_miss(value: int, rng) -> int:
+    delta = rng.choice([-10, -3, -2, -1, 1, 2, 3, 10])
+    return value + delta if value + delta >= 0 else value - delta
+
+
+def _step_records(max_operand: int, operators: str, num_train: int, num_eval: int, seed: int) -> dict:
+    """Two-step problems (``12+7-5=``) solved step by step, each step labelled 1 while the
+    solution is still on track and 0 from its first wrong step on (Math-Shepherd's hard labels).
+
+    Each problem has four solutions: right; an operand misread in step 1 and carried on
+    (both steps 0); a wrong value carried into step 2 (1, 0); and misreads in both steps that
+    cancel out, so the final answer is right (an outcome check passes it, a process check must
+    not: 0, 0). Every step's own arithmetic is right: the errors are the ones a check against
+    the problem and the previous step catches. Held-out problems are never trained on.
+    """
+    rng = random.Random(seed + 2)  # its own stream: the other datasets keep their bytes
+    apply = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    want, records = num_train // 10 + num_eval // 4, {}
+    for _ in range(50 * want):
+        if len(records) == want:
+            break
+        op1, op2 = rng.choice(operators), rng.choice(operators)
+        a, b, c = (rng.randint(0, min(max_operand, 12) if "*" in (op1, op2) else max_operand) for _ in range(3))
+        x = apply[op1](a, b)
+        y = apply[op2](x, c) if x >= 0 else -1
+        prompt = f"{a}{op1}{b}{op2}{c}="
+        if y < 0 or prompt in records:
+            continue
+        b2 = _near_miss(b, rng)  # misread operand
+        x2, x3 = apply[op1](a, b2), _near_miss(x, rng)
+        # the second misread that brings the answer back to y
+        c2 = next((v for v in range(4 * max_operand + 1) if v != c and x2 >= 0 and apply[op2](x2, v) == y), None)
+        if x2 < 0 or c2 is None or min(apply[op2](x2, c), apply[op2](x3, c)) < 0:
+            continue
+        step1, misread = f"{a}{op1}{b}={x}", f"{a}{op1}{b2}={x2}"
+        records[prompt] = [
+            {"prompt": prompt, "steps": [step1, f"{x}{op2}{c}={y}"], "labels": [1, 1]},
+            {"prompt": prompt, "steps": [misread, f"{x2}{op2}{c}={apply[op2](x2, c)}"], "labels": [0, 0]},
+            {"prompt": prompt, "steps": [step1, f"{x3}{op2}{c}={apply[op2](x3, c)}"], "labels": [1, 0]},
+            {"prompt": prompt, "steps": [misread, f"{x2}{op2}{c2}={y}"], "labels": [0, 0]},
+        ]
+    groups = list(records.values())
+    held = num_eval // 4
+    train = [r for group in groups[held:] for r in group]
+    rng.shuffle(train)
+    return {"prm": train, "prm_eval": [r for group in groups[:held] for r in group]}
 
 
 def _preference_pairs(problems, rng, per_problem: int = 4) -> list[dict]:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from elasticrl.algorithms.preference import bradley_terry_loss, dpo_loss, kto_loss
+from elasticrl.algorithms.preference import bradley_terry_loss, dpo_loss, kto_loss, process_reward_loss
 
 T = torch.tensor
 
@@ -20,6 +20,22 @@ def test_bradley_terry_with_and_without_margin():
     # diff 1 -> log(1 + e^-1) = 0.313261687518; with margin 1, diff 0 -> log 2
     close(bradley_terry_loss(T([2.0]), T([1.0])), math.log1p(math.exp(-1)))
     close(bradley_terry_loss(T([2.0]), T([1.0]), T([1.0])), math.log(2))
+
+
+def test_process_reward_loss_reads_only_the_markers():
+    # markers at (0,1) logit 0 label 1: log 2; (0,3) logit ln 3 label 1: -log(3/4) = log(4/3);
+    # (1,2) logit ln 3 label 0: -log(1/4) = log 4; (1,0) logit 0 soft label 0.25: log 2 again.
+    # Mean: (2 log 2 + log(4/3) + log 4) / 4 = (6 log 2 - log 3) / 4 = 0.765068... The 99s are
+    # not markers and must not count.
+    ln3 = math.log(3)
+    values = T([[99.0, 0.0, 99.0, ln3], [0.0, 99.0, ln3, 99.0]], requires_grad=True)
+    markers = T([[False, True, False, True], [True, False, True, False]])
+    labels = T([[9.0, 1.0, 9.0, 1.0], [0.25, 9.0, 0.0, 9.0]])
+    loss = process_reward_loss(values, markers, labels)
+    close(loss, (6 * math.log(2) - ln3) / 4)
+    loss.backward()
+    # d/dx BCE = (sigmoid(x) - y) / 4 at markers, 0 elsewhere
+    close(values.grad, T([[0.0, -0.5 / 4, 0.0, -0.25 / 4], [0.25 / 4, 0.0, 0.75 / 4, 0.0]]))
 
 
 def test_dpo_sigmoid_conservative_and_ipo():

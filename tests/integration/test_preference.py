@@ -1,6 +1,7 @@
 """The alignment trainers of the paper's appendix end to end on the tiny world with 2
-DeepSpeed ranks: DPO, IPO, conservative DPO and KTO must move the policy towards the chosen
-answers on held-out pairs; rejection sampling and iterative DPO must sample with vLLM, keep
+DeepSpeed ranks: the reward model must rank held-out pairs; the process reward model must
+learn to find the wrong step; DPO, IPO, conservative DPO and KTO must move the policy towards the
+chosen answers on held-out pairs; rejection sampling and iterative DPO must sample with vLLM, keep
 the right records, train and sync; conditional SFT must train on attribute-marked prompts
 (their learning on the full examples is in the README)."""
 from __future__ import annotations
@@ -13,6 +14,8 @@ from elasticrl.data.records import read_jsonl
 from elasticrl.spec import load_spec
 from elasticrl.trainers.conditional import run_conditional
 from elasticrl.trainers.preference import run_preference
+from elasticrl.trainers.prm import run_prm
+from elasticrl.trainers.rm import run_rm
 from elasticrl.trainers.rounds import run_rounds
 from elasticrl.world import world_paths
 from elasticrl.world.task import is_correct
@@ -98,3 +101,29 @@ def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_p
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1] == {"step": 20, "eval/compare_accuracy": summary["compare_accuracy"]}
     assert "eval/accuracy" in rows[-2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+# Single-digit operands: the 2M model learns to judge these answers within CI's minutes
+# (two-digit ones take it far longer; the README has both).
+SMALL_WORLD = ["world.max_operand=9", "eval.num_prompts=0", "train.lr=1e-3", "train.micro_batch_size=32",
+               "train.global_batch_size=64"]
+
+
+def test_reward_model_ranks_held_out_pairs(ray_cluster, tmp_path):
+    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + ["train.max_steps=60", "train.lr=5e-4"])
+    summary = run_rm(spec, tmp_path / "run")
+    first, last = summary["initial"], summary["final"]
+    assert abs(first["eval/margin"]) < 0.1 and last["eval/margin"] > 1.0, (first, last)
+    assert last["eval/pairwise_accuracy"] > 0.7, last
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_process_reward_model_learns_to_find_the_wrong_step(ray_cluster, tmp_path):
+    spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + ["train.max_steps=200"])
+    summary = run_prm(spec, tmp_path / "run")
+    first, last = summary["initial"], summary["final"]
+    # 3 steps in 8 are on track: a head that always says 'wrong' scores 62.5 %; picking one
+    # of a prompt's 4 solutions at random finds the right one 25 % of the time
+    assert last["eval/step_accuracy"] > 0.7, (first, last)
+    assert last["eval/best_of_n_accuracy"] > 0.45 and last["eval/first_error_accuracy"] > first["eval/first_error_accuracy"]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
