@@ -1,9 +1,9 @@
 """The alignment trainers of the paper's appendix end to end on the tiny world with 2
 DeepSpeed ranks: the reward model must rank held-out pairs; the process reward model must
-learn to find the wrong step; DPO, IPO, conservative DPO and KTO must move the policy towards the
-chosen answers on held-out pairs; rejection sampling and iterative DPO must sample with vLLM, keep
-the right records, train and sync; conditional SFT must train on attribute-marked prompts
-(their learning on the full examples is in the README)."""
+learn to find the wrong step; DPO, IPO, conservative DPO and KTO must move the policy towards
+the chosen answers on held-out pairs; rejection sampling and iterative DPO must sample with
+vLLM, keep the right records, train, sync and raise held-out accuracy; conditional SFT must
+train on attribute-marked prompts (its learning on the full example is in the README)."""
 from __future__ import annotations
 
 import json
@@ -55,10 +55,12 @@ def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, v
         assert last["reward/margin"] > 0
 
 
+# Operands up to 12: all 65 held-out problems are evaluated in seconds, and 3 short rounds
+# already raise the 60-step warm start's accuracy (6.2 % -> 15.4 % for both, measured).
 ROUNDS = ["model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null", "init.sft_steps=60",
-          "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=16", "rounds.num_rounds=2",
-          "rounds.prompts_per_round=32", "rounds.steps_per_round=2", "rl.samples_per_prompt=4", "rl.eval_samples=2",
-          "eval.num_prompts=32", "eval.max_new_tokens=6"]
+          "world.max_operand=12", "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=16",
+          "rounds.num_rounds=3", "rounds.prompts_per_round=64", "rounds.steps_per_round=4", "rl.samples_per_prompt=4",
+          "rl.eval_samples=2", "eval.num_prompts=0", "eval.max_new_tokens=6"]
 
 
 @pytest.mark.parametrize("algorithm", ["rejection_sampling", "iterative_dpo"])
@@ -66,9 +68,9 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
     spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + [f"algorithm={algorithm}"])
     summary = run_rounds(spec, tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2] and all("eval/accuracy" in r for r in rows)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
     answers = {r["prompt"]: r["answer"] for r in read_jsonl(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
-    for rnd in (1, 2):
+    for rnd in (1, 2, 3):
         data = read_jsonl(tmp_path / "run" / "rounds" / f"{rnd}.jsonl", ("prompt",))
         assert rows[rnd]["round/records"] == len(data) > 0
         for rec in data:  # exact_answer scores 1 or 0: kept answers are right, rejected ones wrong
@@ -78,7 +80,9 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
                 assert is_correct(rec["chosen"], answers[rec["prompt"]])
                 assert not is_correct(rec["rejected"], answers[rec["prompt"]])
         assert rows[rnd]["sync/version"] == rnd and rows[rnd]["loss"] == rows[rnd]["loss"]
-    assert summary["final"]["round"] == 2 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    # the rounds taught the task: held-out greedy accuracy rose over the starting model's
+    assert rows[-1]["eval/accuracy"] >= rows[0]["eval/accuracy"] + 0.05, [r["eval/accuracy"] for r in rows]
+    assert summary["final"]["round"] == 3 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
 def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_path):
