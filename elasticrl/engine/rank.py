@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from elasticrl import backend
+from elasticrl.data.records import sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed
 from elasticrl.models import load_tokenizer, torch_dtype
@@ -57,6 +58,22 @@ class TrainRank:
         """This rank's share of a batch of ``num_rows`` (tensor-parallel peers share one)."""
         per = num_rows // self.dp_size
         return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def micro_batches(self, num_records: int, step: int) -> list[list[int]]:
+        """This rank's record indices of step ``step``'s global batch, in micro-batches (the
+        seeded order of data.records.sample_indices); the engine goes into training mode."""
+        B, mbs = self.train.global_batch_size, self.train.micro_batch_size
+        mine = sample_indices(num_records, self.spec.seed, step * B, B)[self.my_rows(B)]
+        self.engine.train()
+        return [mine[m:m + mbs] for m in range(0, len(mine), mbs)]
+
+    def backward(self, loss: torch.Tensor) -> float:
+        """Backward of a micro-batch's share of the global mean loss (DeepSpeed averages over
+        data-parallel ranks and accumulation steps, so it is scaled back up); the engine steps
+        at the accumulation boundary. Returns the share."""
+        self.engine.backward(loss * self.dp_size * self.grad_accum)
+        self.engine.step()
+        return loss.item()
 
     # --- persistence --------------------------------------------------------------------
     def save(self, folder: str) -> None:

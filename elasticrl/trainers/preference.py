@@ -124,18 +124,14 @@ class PreferenceWorker:
     def train_step(self, step: int) -> dict:
         s, core = self.spec, self.core
         B = s.train.global_batch_size
-        idx = sample_indices(len(self.records), s.seed, step * B, B)[core.my_rows(B)]
-        core.engine.train()
-        stats = {"loss_sum": 0.0, "chosen_sum": 0.0, "rejected_sum": 0.0, "correct": 0, "rows": len(idx),
-                 "kl_ref": 0.0, "lr": core.engine.get_lr()[0], "leader": core.is_dp_leader}
-        mbs = s.train.micro_batch_size
-        for m in range(0, len(idx), mbs):
-            keys = idx[m:m + mbs]
+        parts = core.micro_batches(len(self.records), step)
+        stats = {"loss_sum": 0.0, "chosen_sum": 0.0, "rejected_sum": 0.0, "correct": 0,
+                 "rows": sum(map(len, parts)), "kl_ref": 0.0, "lr": core.engine.get_lr()[0],
+                 "leader": core.is_dp_leader}
+        for keys in parts:
             rows = [self.records[i] for i in keys]
             loss = self._kto(rows, stats) if s.algorithm == "kto" else self._dpo(rows, keys, stats)
-            core.engine.backward(loss / B * core.dp_size * core.grad_accum)
-            core.engine.step()
-            stats["loss_sum"] += loss.item() / B
+            stats["loss_sum"] += core.backward(loss / B)
         return stats
 
     def _dpo(self, pairs, keys, stats) -> torch.Tensor:

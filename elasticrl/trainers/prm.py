@@ -119,10 +119,11 @@ class PRMWorker(RMWorker):
         B = self.spec.train.global_batch_size
         loss_sum, right, steps = 0.0, 0, 0
         lr = self.core.engine.get_lr()[0]
-        for part in self.micro_batches(self.examples, step):
+        for keys in self.core.micro_batches(len(self.examples), step):
+            part = [self.examples[i] for i in keys]
             values, markers, labels = self._logits(part)
             # mean over this micro-batch's steps, weighted by its share of the global batch
-            loss_sum += self.backward(process_reward_loss(values, markers, labels) * len(part) / B)
+            loss_sum += self.core.backward(process_reward_loss(values, markers, labels) * len(part) / B)
             right += int(((values[markers] > 0) == (labels[markers] > 0.5)).sum())
             steps += int(markers.sum())
         return {"loss_sum": loss_sum, "right": right, "steps": steps, "lr": lr, "leader": self.core.is_dp_leader}

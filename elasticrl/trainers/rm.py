@@ -20,7 +20,7 @@ import torch
 from elasticrl.algorithms.preference import bradley_terry_loss
 from elasticrl.cluster import RoleGroup, ray_session
 from elasticrl.cluster.placement import pool_for
-from elasticrl.data.records import pad_batch, read_jsonl, sample_indices, tokenize_sft
+from elasticrl.data.records import pad_batch, read_jsonl, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
@@ -58,32 +58,16 @@ class RMWorker:
         r = values[torch.arange(len(seqs)), last]
         return r[: len(pairs)], r[len(pairs):]
 
-    def micro_batches(self, records: list[dict], step: int) -> list[list[dict]]:
-        """This rank's rows of step ``step``'s global batch, in micro-batches; the engine goes
-        into training mode."""
-        t = self.spec.train
-        idx = sample_indices(len(records), self.spec.seed, step * t.global_batch_size, t.global_batch_size)
-        self.core.engine.train()
-        mine = [records[i] for i in idx][self.core.my_rows(t.global_batch_size)]
-        return [mine[m:m + t.micro_batch_size] for m in range(0, len(mine), t.micro_batch_size)]
-
-    def backward(self, loss: torch.Tensor) -> float:
-        """Backward of a micro-batch's share of the global mean loss; the engine steps at the
-        accumulation boundary."""
-        core = self.core
-        core.engine.backward(loss * core.dp_size * core.grad_accum)
-        core.engine.step()
-        return loss.item()
-
     def train_step(self, step: int) -> dict:
         s, B = self.spec, self.spec.train.global_batch_size
         loss_sum, correct, margin, pairs = 0.0, 0, 0.0, 0
         lr = self.core.engine.get_lr()[0]
-        for part in self.micro_batches(self.pairs, step):
+        for keys in self.core.micro_batches(len(self.pairs), step):
+            part = [self.pairs[i] for i in keys]
             chosen, rejected = self._rewards(part)
             margin_b = torch.tensor([float(p.get(s.data.margin_key, 0.0)) for p in part], device=chosen.device)
             # mean over this micro-batch's pairs, rescaled to a share of the global mean
-            loss_sum += self.backward(bradley_terry_loss(chosen, rejected, margin_b) * len(part) / B)
+            loss_sum += self.core.backward(bradley_terry_loss(chosen, rejected, margin_b) * len(part) / B)
             pairs += len(part)
             correct += int((chosen > rejected).sum())
             margin += float((chosen - rejected).detach().sum())
