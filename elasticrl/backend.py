@@ -2,24 +2,23 @@
 
 Everything else asks here: which device tensors live on, which collective backend to use,
 what a Ray worker should request, and how to free cached memory. On a machine without a
-GPU the same code runs on CPU with gloo (tests/test_device_api.py keeps other modules from
+GPU the same code runs on CPU with gloo (tests/test_layering.py keeps other modules from
 touching ``torch.cuda`` directly).
 """
 from __future__ import annotations
 
+import logging
 import os
 from functools import lru_cache
 
 import torch
 
+log = logging.getLogger(__name__)
+
 
 @lru_cache(maxsize=None)
 def has_gpu() -> bool:
     return torch.cuda.is_available() and os.environ.get("ELASTICRL_FORCE_CPU") != "1"
-
-
-def device_type() -> str:
-    return "cuda" if has_gpu() else "cpu"
 
 
 def current_device() -> torch.device:
@@ -100,9 +99,13 @@ def rollout_env(tp_size: int, kv_cache_gib: float, threads: int) -> dict[str, st
     quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if has_gpu():
         return quiet
+    gib = max(1, int(round(kv_cache_gib)))  # vLLM's CPU build takes whole GiB
+    if gib != kv_cache_gib:
+        log.warning("rollout.kv_cache_gib: %g is not a whole number of GiB, which vLLM's CPU build needs; "
+                    "engines use %d", kv_cache_gib, gib)
     env = {**quiet,
         # Unset, vLLM's CPU build sizes its KV cache from free memory (15 GiB seen for a tiny model).
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))),
+        "VLLM_CPU_KVCACHE_SPACE": str(gib),
         "OMP_NUM_THREADS": str(threads),
         # vLLM would pin each worker to cores (and, with TP > 1, demand a NUMA node per worker);
         # engines share the machine with trainers, so let the OS schedule them.

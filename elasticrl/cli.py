@@ -1,11 +1,9 @@
-"""``elasticrl``: the command line. Nothing else imports this module."""
+"""``elasticrl``: the command line (typer). Nothing imports this module; what a command does
+lives in the package (``driver.run_spec`` runs a job, ``launch.submit`` launches one)."""
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import List, Optional
 
@@ -27,32 +25,11 @@ def run(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: --set train.lr=3e-4 (repeatable)."),
 ):
     """Run a job on this machine (a private Ray starts and stops with it)."""
-    from elasticrl.cluster import RoleError
-    from elasticrl.spec import SpecError, load_spec
+    from elasticrl.driver import run_spec
 
-    try:
-        job = load_spec(spec, set_ or [])
-    except SpecError as exc:
-        _fail(f"{spec}: {exc}" if not str(exc).startswith(str(spec)) else str(exc), 2)
-    _quiet_libraries()
-    from elasticrl.trainers import run_job
-
-    try:
-        summary = run_job(job, output)
-    except (SpecError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc), 2)
-    except (RoleError, RuntimeError) as exc:  # a rank, an engine or a reward source failed
-        log = output / "error.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("".join(traceback.format_exception(exc)))
-        _fail(f"{str(exc).splitlines()[0]} (full trace: {log})", 1)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
-    typer.echo(json.dumps({"output": str(output), **summary}, default=str))
-    from elasticrl.trainers.plot import plot_run
-
-    plot_run(output)
-    typer.echo(f"curves: {output / 'plots'}/  (metrics: {output / 'metrics.jsonl'})")
+    code = run_spec(spec, output, set_ or [])
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("spec")
@@ -218,7 +195,7 @@ def plan_cmd(
 @app.command()
 def plot(run_dir: Path = typer.Argument(..., help="A run's --output folder (holds metrics.jsonl).")):
     """Write PNG curves of a run's metrics into RUN_DIR/plots/."""
-    from elasticrl.trainers.plot import plot_run
+    from elasticrl.plot import plot_run
 
     try:
         files = plot_run(run_dir)
@@ -226,13 +203,6 @@ def plot(run_dir: Path = typer.Argument(..., help="A run's --output folder (hold
         _fail(str(exc), 2)
     for f in files:
         typer.echo(str(f))
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    for name in ("DeepSpeed", "deepspeed", "ray", "transformers"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main() -> None:

@@ -1,10 +1,13 @@
-"""Files a reader never sees half-written: written under a temp name beside the target, then
-renamed over it (a rename within one folder is atomic on POSIX file systems)."""
+"""Files and folders a reader never sees half-written: written under a temp name beside the
+target, then renamed over it (a rename within one folder is atomic on POSIX file systems)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -19,3 +22,37 @@ def write_text(path: str | Path, text: str) -> Path:
         os.unlink(tmp)
         raise
     return path
+
+
+@contextlib.contextmanager
+def atomic_folder(final: str | Path, keep_existing: bool = False) -> Iterator[Path]:
+    """Yields a temp folder beside ``final``; when the block succeeds the folder becomes
+    ``final``, replacing an existing one (or, with ``keep_existing``, leaving it: another
+    writer finished first with the same content). When the block fails nothing is left."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if not keep_existing:
+            _replace_folder(tmp, final)
+        else:
+            try:
+                os.rename(tmp, final)  # fails when another writer's folder is there already
+            except OSError:
+                if not final.is_dir():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_folder(src: Path, final: Path) -> None:
+    """Rename ``src`` to ``final``; an existing ``final`` is moved aside first, then removed."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(src, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

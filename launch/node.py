@@ -33,10 +33,10 @@ import zlib
 from pathlib import Path
 
 from elasticrl.files import write_text
+from elasticrl.plan.roles import POOL_PREFIX
 
 DONE_KEY = b"elasticrl:done"
 _terminating = False  # set by SIGTERM: clean up fast, Slurm kills the step after KillWait
-POOL_PREFIX = "elasticrl_pool_"
 
 
 def token_file(app_id: str) -> Path:
@@ -190,22 +190,11 @@ def head(ns: argparse.Namespace) -> int:
 
 
 def _run_job(ns: argparse.Namespace) -> int:
-    """``elasticrl run`` in this process, as a driver of the running Ray."""
-    from elasticrl.cli import app
+    """The job, as ``elasticrl run`` runs it, in this process: a driver of the running Ray."""
+    from elasticrl.driver import run_spec
 
     sets = list(ns.set or []) + [base64.urlsafe_b64decode(x).decode() for x in ns.set_b64 or []]
-    args = ["run", ns.spec, "--output", ns.output] + [x for kv in sets for x in ("--set", kv)]
-    try:
-        # click returns the exit code of typer.Exit instead of raising it when not standalone
-        code = app(args=args, prog_name="elasticrl", standalone_mode=False)
-        return code if isinstance(code, int) else 0
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    except Exception as exc:  # typer.Exit comes through click as an exception here
-        code = getattr(exc, "exit_code", None)
-        if code is None:
-            raise
-        return int(code)
+    return run_spec(ns.spec, ns.output, sets)
 
 
 def _finish(ns, proc, code: int) -> None:

@@ -30,10 +30,10 @@ def parse_cfg(text: str | None) -> dict[str, str]:
 
 def pool_args(spec, plan=None, inventory=None) -> dict:
     """Component arguments (pool sizes) for a spec: from a plan on GPUs, else in CPUs."""
-    from elasticrl.plan.roles import job_roles
-    from elasticrl.trainers.rl import active_roles, cpus_needed
+    from elasticrl.plan.roles import cpus_needed, job_roles
 
-    rl_job = "rollout" in job_roles(spec)  # jobs with vLLM engines get a rollout pool
+    roles = job_roles(spec)
+    rl_job = "rollout" in roles  # jobs with vLLM engines get a rollout pool
     if plan is not None:
         per_node = inventory.per_node
         s = plan.settings
@@ -46,8 +46,8 @@ def pool_args(spec, plan=None, inventory=None) -> dict:
                 "rollout_nodes": math.ceil(engine_gpus / per_node), "rollout_gpus": per_node,
                 "rollout_cpus": 8 * per_node}
     if not rl_job:
-        return {"train_nodes": 1, "train_cpus": spec.train.num_ranks, "rollout_nodes": 0}
-    engines = active_roles(spec)["rollout"] * spec.rollout.cpus_per_engine
+        return {"train_nodes": 1, "train_cpus": cpus_needed(spec) - 1, "rollout_nodes": 0}
+    engines = roles["rollout"].ranks * roles["rollout"].cpus
     if spec.placement.colocate == "all":
         return {"train_nodes": 1, "train_cpus": cpus_needed(spec), "rollout_nodes": 0}
     return {"train_nodes": 1, "train_cpus": cpus_needed(spec) - 1 - engines, "rollout_nodes": 1,

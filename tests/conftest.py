@@ -16,6 +16,14 @@ os.environ.setdefault("ELASTICRL_CACHE", str(ROOT / ".venv" / "elasticrl-test-ca
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Tests about learning (a model must get better) train at `model.dtype: auto`, as users' runs do:
+# bf16 on CPUs with AVX512-BF16 or AMX, fp32 elsewhere; every other test pins fp32. The margins
+# of the learning tests were checked under both precisions and several seeds (README,
+# Development); ELASTICRL_TEST_DTYPE and ELASTICRL_TEST_SEED rerun them under others.
+LEARNING = [f"model.dtype={os.environ.get('ELASTICRL_TEST_DTYPE', 'auto')}",
+            f"seed={os.environ.get('ELASTICRL_TEST_SEED', '1234')}"]
+
+
 def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run ``elasticrl`` as a user would, in a subprocess."""
     return subprocess.run([sys.executable, "-m", "elasticrl.cli", *args], capture_output=True, text=True,

@@ -16,7 +16,6 @@ import torch
 from elasticrl.algorithms.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
-GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce++_baseline"}  # need n > 1 samples per prompt
 
 
 def last_token_rewards(rewards_b: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -80,6 +79,14 @@ def reinforce_pp_baseline(*, rewards_b, token_rewards_bt, mask_bt, group_size, g
     shaped = token_rewards_bt - last_token_rewards(rewards_b, mask_bt) + last_token_rewards(centred, mask_bt)
     returns = discounted_returns(shaped, mask_bt, gamma)
     return returns, returns
+
+
+def varying_groups(rewards_b: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Indices of the responses whose prompt's group has rewards that vary (DAPO's dynamic
+    sampling drops the others: their group-relative advantages are all 0)."""
+    g = rewards_b.view(-1, group_size)
+    keep = (g.max(1).values - g.min(1).values) > 1e-6
+    return keep.repeat_interleave(group_size).nonzero().flatten()
 
 
 def _broadcast(adv_b: torch.Tensor, mask_bt: torch.Tensor):

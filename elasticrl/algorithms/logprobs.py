@@ -6,12 +6,15 @@ import torch
 IGNORE = -100
 
 
-def token_logprobs(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
-    """log p(labels[t+1] | tokens[:t+1]) for every position, aligned to ``labels[:, 1:]``.
+def token_logprobs(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels[t+1] | tokens[:t+1]) for every position, aligned to ``labels[:, 1:]``, under
+    softmax(logits / temperature): the policy that sampled at that temperature.
 
     Returns ``[B, T-1]`` fp32; positions whose label is ``IGNORE`` hold 0.
     """
     logits = logits_btv[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = labels_bt[:, 1:]
     safe = targets.clamp(min=0)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)

@@ -52,9 +52,7 @@ def policy_loss(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, *, clip_lo
     surr1 = ratio * advantages_bt
     surr2 = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages_bt
     loss_bt = -torch.min(surr1, surr2)
-    if dual_clip is not None:
-        if dual_clip <= 1:
-            raise ValueError(f"rl.dual_clip: must be > 1, got {dual_clip}")
+    if dual_clip is not None:  # > 1 (the spec checks rl.dual_clip)
         loss_bt = torch.where(advantages_bt < 0, torch.min(loss_bt, -dual_clip * advantages_bt), loss_bt)
     if token_weights_bt is not None:
         loss_bt = loss_bt * token_weights_bt.detach()

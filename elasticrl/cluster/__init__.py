@@ -1,5 +1,7 @@
-"""Placement: Ray sessions and role groups (N actors of one role on a placement group)."""
+"""Placement: Ray sessions, role groups (N actors of one role on a placement group) and the
+job's roles placed on them."""
 from elasticrl.cluster.group import RoleError, RoleGroup
+from elasticrl.cluster.placement import Placement
 from elasticrl.cluster.session import ray_session
 
-__all__ = ["RoleError", "RoleGroup", "ray_session"]
+__all__ = ["Placement", "RoleError", "RoleGroup", "ray_session"]

@@ -11,14 +11,11 @@ import uuid
 from typing import Any
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elasticrl import backend
-
-
-POOL_PREFIX = "elasticrl_pool_"  # the custom resource a pool's Ray nodes carry (launch/node.py)
+from elasticrl.plan.roles import POOL_PREFIX
 
 
 def pool_resource(pool: str | None) -> dict:
@@ -105,8 +102,3 @@ class RoleGroup:
         if self.owns_pg:
             remove_placement_group(self.pg)
 
-
-def gather_rows(parts: list[dict], key: str) -> torch.Tensor:
-    """Reassemble per-rank row slices (tensor-parallel duplicates skipped) in row order."""
-    pieces = sorted((p["rows"], p[key]) for p in parts if p["leader"] and p[key] is not None)
-    return torch.cat([t for _, t in pieces])

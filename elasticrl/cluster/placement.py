@@ -1,4 +1,4 @@
-"""Placement of the RL roles, from ``placement.colocate``.
+"""Placement of a job's roles on Ray, from ``plan.roles`` (which follows ``placement.colocate``).
 
 Roles that share devices share one placement group: each bundle is one device (a GPU, or
 a slice of CPUs) and every role in the group puts one rank on each bundle with a fraction
@@ -11,15 +11,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from elasticrl import backend
-from elasticrl.cluster.group import pool_resource
-
-COLOCATION = {
-    "none": [],
-    "actor_ref": [["actor", "reference"]],
-    "critic_reward": [["critic", "reward"]],
-    "actor_ref+critic_reward": [["actor", "reference"], ["critic", "reward"]],
-    "all": [["actor", "reference", "critic", "reward", "rollout"]],
-}
+from elasticrl.cluster.group import RoleGroup, pool_resource
+from elasticrl.plan.roles import colocated, job_roles
 
 
 class SharedBundles:
@@ -47,23 +40,35 @@ class SharedBundles:
         remove_placement_group(self.pg)
 
 
-def pool_for(pools: str, role: str) -> str | None:
-    """``placement.pools``: 'split' puts rollout engines on the 'rollout' pool, the rest on 'train'."""
-    return None if pools == "any" else "rollout" if role == "rollout" else "train"
+class Placement:
+    """The job's roles on Ray (from ``plan.roles``): roles that share devices share one
+    placement group, the others get their own from their ``RoleGroup``. ``options(role)`` is
+    what a ``RoleGroup`` (or the rollout pool) of that role takes."""
 
+    def __init__(self, spec):
+        self.roles = job_roles(spec)
+        self.shared: dict[str, SharedBundles] = {}
+        self._bundles: list[SharedBundles] = []
+        for group in colocated(spec):
+            members = [r for r in group if not self.roles[r].in_trainer]
+            if len(members) < 2:
+                continue
+            bundles = SharedBundles(members, max(self.roles[r].ranks for r in members), cpus_per_bundle=1.0,
+                                    num_groups=sum(self.roles[r].copies for r in members),
+                                    pool=self.roles[members[0]].pool)
+            self._bundles.append(bundles)
+            self.shared.update(dict.fromkeys(members, bundles))
 
-def colocation_groups(colocate: str, active: dict[str, int], cpus_per_bundle: float,
-                      copies: dict[str, int] | None = None, pools: str = "any") -> dict[str, SharedBundles]:
-    """Role -> shared bundles for the roles that are active (role -> its rank count);
-    ``copies``: role groups of one role (e.g. several reward models), 1 if absent."""
-    out: dict[str, SharedBundles] = {}
-    copies = copies or {}
-    for group in COLOCATION[colocate]:
-        members = [r for r in group if r in active]
-        if len(members) < 2:
-            continue
-        shared = SharedBundles(members, max(active[r] for r in members), cpus_per_bundle,
-                               num_groups=sum(copies.get(r, 1) for r in members), pool=pool_for(pools, members[0]))
-        for r in members:
-            out[r] = shared
-    return out
+    def options(self, role: str) -> dict:
+        if role in self.shared:
+            return self.shared[role].options()
+        r = self.roles[role]
+        return {"gpus_per_rank": r.gpus, "cpus_per_rank": r.cpus, "pool": r.pool}
+
+    def group(self, role: str, actor_cls, *args, name: str | None = None, **kwargs) -> RoleGroup:
+        """The ``RoleGroup`` of ``role``'s ranks (``name``: what errors call it, default the role)."""
+        return RoleGroup(name or role, actor_cls, self.roles[role].ranks, *args, **self.options(role), **kwargs)
+
+    def remove(self) -> None:
+        for bundles in self._bundles:
+            bundles.remove()

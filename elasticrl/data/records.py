@@ -67,6 +67,12 @@ def sample_indices(num_records: int, seed: int, start: int, count: int) -> list[
     return out
 
 
+def row_share(num_rows: int, num_parts: int, part: int) -> slice:
+    """Part ``part`` of ``num_rows`` rows split over ``num_parts`` as evenly as possible (later
+    parts get the larger shares): the one rule by which ranks and engines divide a batch."""
+    return slice(part * num_rows // num_parts, (part + 1) * num_rows // num_parts)
+
+
 _perm_cache: dict[tuple[int, int, int], torch.Tensor] = {}
 
 

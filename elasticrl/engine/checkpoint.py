@@ -3,20 +3,24 @@
 A checkpoint folder holds DeepSpeed's own state (weights, optimizer, LR schedule), one RNG
 file per rank (safetensors) and ``trainer_state.json`` (step and data position). Every
 rank writes into a temp folder that the driver renames to ``step_NNNNNNN`` once all ranks
-are done, so a crash mid-save leaves no checkpoint rather than a broken one.
+are done (``new_checkpoint``), so a crash mid-save leaves no checkpoint rather than a
+broken one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from elasticrl import backend
-from elasticrl.weights.shards import replace_folder, save_sharded
+from elasticrl.files import atomic_folder, write_text
+from elasticrl.weights.shards import save_sharded
 
 DS_TAG = "deepspeed"
 STATE_FILE = "trainer_state.json"
@@ -44,7 +48,7 @@ def load_engine_state(engine, folder: str | Path, rank: int) -> None:
 
 
 def write_trainer_state(folder: Path, state: dict) -> None:
-    (folder / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    write_text(folder / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
 
 
 def read_trainer_state(folder: Path) -> dict:
@@ -62,19 +66,16 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def temp_checkpoint_dir(root: Path, step: int) -> Path:
-    tmp = root / f".step_{step:07d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def commit_checkpoint(tmp: Path, root: Path, step: int, keep: int) -> Path:
-    final = root / f"step_{step:07d}"
-    replace_folder(tmp, final)
+@contextlib.contextmanager
+def new_checkpoint(root: Path, step: int, keep: int) -> Iterator[Path]:
+    """Yields the temp folder every rank saves into; when the block succeeds it becomes
+    ``step_NNNNNNN`` and the checkpoints older than the newest ``keep`` are removed."""
+    for stale in Path(root).glob(".step_*"):  # a save that a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+    with atomic_folder(Path(root) / f"step_{step:07d}") as tmp:
+        yield tmp
     for _, old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
@@ -97,18 +98,13 @@ def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype
 
     state = consolidated_state_dict(engine)
     if dist.get_rank() == 0:
-        final = Path(folder)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        state = {k: v.to(dtype) for k, v in state.items()}
-        config = engine.module.config
-        config.dtype = dtype
-        config.save_pretrained(tmp)
-        if getattr(engine.module, "generation_config", None) is not None:
-            engine.module.generation_config.save_pretrained(tmp)
-        save_sharded(state, tmp, max_shard_bytes)
-        tokenizer.save_pretrained(tmp)
-        replace_folder(tmp, final)
+        with atomic_folder(folder) as tmp:
+            state = {k: v.to(dtype) for k, v in state.items()}
+            config = engine.module.config
+            config.dtype = dtype
+            config.save_pretrained(tmp)
+            if getattr(engine.module, "generation_config", None) is not None:
+                engine.module.generation_config.save_pretrained(tmp)
+            save_sharded(state, tmp, max_shard_bytes)
+            tokenizer.save_pretrained(tmp)
     dist.barrier()

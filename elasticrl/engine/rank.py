@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from elasticrl import backend
-from elasticrl.data.records import sample_indices
+from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed
 from elasticrl.models import load_tokenizer, torch_dtype
@@ -56,22 +56,30 @@ class TrainRank:
 
     def my_rows(self, num_rows: int) -> slice:
         """This rank's share of a batch of ``num_rows`` (tensor-parallel peers share one)."""
-        per = num_rows // self.dp_size
-        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        return row_share(num_rows, self.dp_size, self.dp_rank)
 
-    def micro_batches(self, num_records: int, step: int) -> list[list[int]]:
-        """This rank's record indices of step ``step``'s global batch, in micro-batches (the
-        seeded order of data.records.sample_indices); the engine goes into training mode."""
-        B, mbs = self.train.global_batch_size, self.train.micro_batch_size
-        mine = sample_indices(num_records, self.spec.seed, step * B, B)[self.my_rows(B)]
-        self.engine.train()
+    def split(self, index):
+        """This rank's share of a global (mini-)batch's row or record indices, in micro-batches."""
+        mine, mbs = index[self.my_rows(len(index))], self.train.micro_batch_size
         return [mine[m:m + mbs] for m in range(0, len(mine), mbs)]
 
-    def backward(self, loss: torch.Tensor) -> float:
-        """Backward of a micro-batch's share of the global mean loss (DeepSpeed averages over
-        data-parallel ranks and accumulation steps, so it is scaled back up); the engine steps
-        at the accumulation boundary. Returns the share."""
-        self.engine.backward(loss * self.dp_size * self.grad_accum)
+    def batch_records(self, num_records: int, step: int) -> list[int]:
+        """Record indices of step ``step``'s global batch (the seeded order of
+        data.records.sample_indices: any world size reads the same records)."""
+        B = self.train.global_batch_size
+        return sample_indices(num_records, self.spec.seed, step * B, B)
+
+    def micro_batches(self, num_records: int, step: int) -> list[list[int]]:
+        """This rank's record indices of step ``step``'s global batch, in micro-batches; the
+        engine goes into training mode."""
+        self.engine.train()
+        return self.split(self.batch_records(num_records, step))
+
+    def backward(self, loss: torch.Tensor, denominator: float = 1.0) -> float:
+        """Backward of a micro-batch's share of the global mean loss, ``loss / denominator``
+        (DeepSpeed averages over data-parallel ranks and accumulation steps, so it is scaled
+        back up); the engine steps at the accumulation boundary. Returns ``loss``."""
+        self.engine.backward(loss * (self.dp_size * self.grad_accum / denominator))
         self.engine.step()
         return loss.item()
 

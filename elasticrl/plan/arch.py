@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticrl.world.presets import PRESETS, VOCAB_SIZE
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -74,9 +76,6 @@ def from_config(cfg: dict) -> Arch:
 def arch_of(model_path: str | None, tiny_preset: str) -> Arch:
     """The architecture a job trains (see the module doc for the order of sources)."""
     if model_path is None:
-        from elasticrl.world.model import PRESETS
-        from elasticrl.world.tokenizer import VOCAB_SIZE
-
         hidden, layers, heads, kv_heads, inter = PRESETS[tiny_preset]
         return Arch(hidden, layers, heads, kv_heads, inter, VOCAB_SIZE)
     config = Path(model_path) / "config.json"

@@ -17,8 +17,9 @@ import math
 from dataclasses import dataclass, field
 
 from elasticrl.plan.arch import Arch, arch_of
-from elasticrl.plan.roles import PREFERENCE_ALGORITHMS, ROUND_ALGORITHMS, is_rl, job_roles
+from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
 from elasticrl.plan.memory import GB, TrainConfig, engine_need, engine_role, frozen_role, trained_role
+from elasticrl.spec.algorithms import ALGORITHMS
 from elasticrl.spec.schema import JobSpec
 
 PLANNED = ("train.num_ranks", "train.zero_stage", "train.offload_optimizer", "train.offload_params",
@@ -109,17 +110,17 @@ def fits(spec: JobSpec, inventory: Inventory, pinned: dict) -> bool:
 
 def _job(spec: JobSpec, inventory: Inventory, pinned: dict) -> _Job:
     arch = arch_of(spec.model.path, spec.world.model_size)
-    rl_job = is_rl(spec)
+    rl_job, alg = is_rl(spec), ALGORITHMS[spec.algorithm]
     seq = spec.data.max_length + (spec.rl.max_new_tokens if rl_job else 0)
-    # a preference pair is two sequences
     per_step = spec.rl.prompts_per_step * spec.rl.samples_per_prompt if rl_job else \
-        spec.train.global_batch_size * (2 if spec.algorithm in PREFERENCE_ALGORITHMS + ("iterative_dpo",) else 1)
+        spec.train.global_batch_size * alg.sequences
     gen = per_step * spec.rl.max_new_tokens if rl_job else 0.0
-    if spec.algorithm in ROUND_ALGORITHMS:  # a round's sampling, spread over its training steps
+    if alg.family == "rounds":  # a round's sampling, spread over its training steps
         r = spec.rounds
         gen = r.prompts_per_round * spec.rl.samples_per_prompt * spec.rl.max_new_tokens / r.steps_per_round
-    return _Job(spec, arch, {r: x.head for r, x in job_roles(spec).items()}, inventory, pinned, seq, per_step * seq * spec.rl.epochs,
-                gen, max(1, len(spec.rewards.models)), arch.params())
+    roles = job_roles(spec)
+    return _Job(spec, arch, {r: x.head for r, x in roles.items()}, inventory, pinned, seq,
+                per_step * seq * spec.rl.epochs, gen, roles["reward"].copies if "reward" in roles else 1, arch.params())
 
 
 def _train_configs(job: _Job) -> list[tuple[TrainConfig, float]]:
@@ -150,7 +151,7 @@ def _layouts(job: _Job):
     if "rollout" not in r:
         for actor in _choices("train.num_ranks", pin, _pow2(n)):
             if actor <= n and actor % job.spec.train.tp_size == 0:
-                if "reference" in r:  # dpo, kto: the frozen reference lives in each trainer rank
+                if "reference" in r:  # dpo, kto: the frozen reference lives in each trainer rank (in_trainer)
                     yield "actor_ref", {"actor": actor, "reference": actor}, 0, 0
                 else:
                     yield "none", {"actor": actor}, 0, 0
@@ -158,7 +159,7 @@ def _layouts(job: _Job):
     tps = [t for t in _choices("rollout.tp_size", pin, _pow2(per_node)) if job.arch.heads % t == 0 and t <= per_node]
     colocs = _choices("placement.colocate", pin, ["none", "actor_ref", "critic_reward", "actor_ref+critic_reward",
                                                   "all"])
-    if job.spec.algorithm in ROUND_ALGORITHMS:  # trainer and engines apart; iterative_dpo's reference in the trainer
+    if ALGORITHMS[job.spec.algorithm].family == "rounds":  # trainer and engines apart; a reference in the trainer
         colocs = ["actor_ref" if "reference" in r else "none"]
     for coloc, actor in itertools.product(colocs, _choices("train.num_ranks", pin, _pow2(n))):
         if actor % job.spec.train.tp_size:
@@ -264,11 +265,8 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
 
 
 def _groups(coloc: str, roles: dict) -> dict[str, list[str]]:
-    together = {"none": [], "actor_ref": [["actor", "reference"]], "critic_reward": [["critic", "reward"]],
-                "actor_ref+critic_reward": [["actor", "reference"], ["critic", "reward"]],
-                "all": [list(roles)]}[coloc]
     out, seen = {}, set()
-    for members in together:
+    for members in COLOCATION[coloc]:
         present = [r for r in members if r in roles]
         if present:
             out["+".join(present)] = present

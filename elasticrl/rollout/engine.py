@@ -1,7 +1,10 @@
 """One vLLM engine in a Ray actor: generate, score, receive weights, sleep and wake.
 
 The engine is stateless apart from its weights and their version, so it can be restarted
-and re-synced at any time. A weight sync is atomic from the engine's view: generation
+and re-synced at any time. The log-probs it returns with each completion are those of the
+distribution the token was sampled from (vLLM's ``processed_logprobs``: after temperature,
+top-k and top-p), which with top_k 0 and top_p 1 is softmax(logits / temperature), the
+trainer's; ``score`` returns raw log-probs (temperature 1). A weight sync is atomic from the engine's view: generation
 waits while a sync is in progress, and every completion carries the version it was
 generated with.
 
@@ -20,8 +23,8 @@ from elasticrl import backend
 
 log = logging.getLogger(__name__)
 
-SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "min_tokens",
-                 "stop_token_ids", "ignore_eos"}
+SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_tokens", "stop", "min_tokens", "stop_token_ids",
+                 "ignore_eos"}
 
 
 class RolloutEngine:
@@ -46,6 +49,9 @@ class RolloutEngine:
                        # a restarted engine must not replay the samples of its first life
                        seed=a["seed"] + 1000 * self.incarnation, max_model_len=a["max_model_len"], trust_remote_code=a["trust_remote_code"],
                        worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver",
+                       # the sampled tokens' log-probs under the distribution they were drawn from
+                       # (after temperature, top-k, top-p), as the trainer scores them
+                       logprobs_mode="processed_logprobs",
                        # An engine's TP workers live on its node, as processes of this actor
                        # (inside Ray, vLLM would otherwise pick its Ray executor).
                        distributed_executor_backend="mp" if a["tp_size"] > 1 else None,
@@ -63,17 +69,15 @@ class RolloutEngine:
 
     # --- generation ---------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
-        """Completions for token-id prompts; ``sampling`` holds SamplingParams fields."""
+    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[dict]:
+        """Completions for token-id prompts; ``sampling`` holds SamplingParams fields, ``seeds``
+        one seed per prompt (``pool.prompt_seed``) or None for unseeded sampling."""
         from vllm import SamplingParams
 
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
             raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
-        # A seed gives prompt i the seed `seed + i * n` (vLLM seeds its n samples seed, seed+1, ...):
-        # a prompt's samples depend neither on the batch nor on the other prompts' seeds.
-        seed, n = sampling.get("seed"), sampling.get("n", 1)
-        params = [SamplingParams(**{**sampling, "seed": None if seed is None else seed + i * n}, logprobs=0)
+        params = [SamplingParams(**sampling, seed=None if seeds is None else seeds[i], logprobs=0)
                   for i in range(len(prompts))]
         outs, version = self.gate.run(lambda: self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))

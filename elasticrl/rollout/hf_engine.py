@@ -45,17 +45,19 @@ class HFRolloutEngine:
                 "dtype": self.dtype, "mode": "hf"}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
+    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[dict]:
+        """As the vLLM engine's; ``generate`` samples a batch from one generator, so only the
+        first prompt's seed is used (samples depend on the batch, unlike vLLM's)."""
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
             raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
-        return self.gate.run(lambda: self._generate(prompts, sampling))[0]
+        return self.gate.run(lambda: self._generate(prompts, sampling, seeds))[0]
 
-    def _generate(self, prompts, sampling):
+    def _generate(self, prompts, sampling, seeds):
         n = sampling.get("n", 1)
         temperature = sampling.get("temperature", 1.0)
-        if "seed" in sampling:
-            torch.manual_seed(sampling["seed"])
+        if seeds:
+            torch.manual_seed(seeds[0])
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         width = max(len(p) for p in prompts)
@@ -66,13 +68,15 @@ class HFRolloutEngine:
             mask[i, width - len(p):] = 1
         device = backend.current_device()
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # n rows per prompt
-        kwargs = dict(do_sample=temperature > 0, max_new_tokens=sampling.get("max_tokens", 16), pad_token_id=pad, return_dict_in_generate=True, output_logits=True,
+        kwargs = dict(do_sample=temperature > 0, max_new_tokens=sampling.get("max_tokens", 16), pad_token_id=pad,
+                      return_dict_in_generate=True, output_scores=True,
                       eos_token_id=None if sampling.get("ignore_eos") else eos)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0))
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         new = out.sequences[:, width:]
-        logp = torch.stack(out.logits, 1).float().log_softmax(-1)  # raw model log-probs, as vLLM reports
+        # the scores after temperature, top-k and top-p: the distribution sampled, as vLLM reports
+        logp = torch.stack(out.scores, 1).float().log_softmax(-1)
         results = []
         for row in range(new.shape[0]):
             tokens = new[row].tolist()

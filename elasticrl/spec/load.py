@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from elasticrl.files import write_text
+from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, advantage_of
 from elasticrl.spec.schema import JobSpec
 
 
@@ -97,18 +98,6 @@ def _apply_override(raw: dict, item: str) -> None:
         node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         node[parts[-1]] = text
-
-
-def _type_name(tp) -> str:
-    if tp is bool:
-        return "true or false"
-    if tp is int:
-        return "an integer"
-    if tp is float:
-        return "a number"
-    if tp is str:
-        return "a string"
-    return getattr(tp, "__name__", str(tp))
 
 
 def _convert(tp, value: Any, path: str, meta: dict | None = None) -> Any:
@@ -227,11 +216,10 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     if spec.placement.pools == "split" and spec.placement.colocate == "all":
         raise SpecError("placement.pools", "'split' gives rollout engines nodes of their own, but placement.colocate "
                                            "'all' shares every GPU with them; use pools: any")
+    alg = ALGORITHMS[spec.algorithm]
     rl = spec.rl
-    if spec.algorithm in ("grpo", "rloo") or rl.advantage in ("grpo", "dr_grpo", "rloo", "reinforce++_baseline"):
-        if rl.samples_per_prompt < 2:
-            raise SpecError("rl.samples_per_prompt", f"{spec.algorithm} compares samples of a prompt: needs >= 2, "
-                                                     f"got {rl.samples_per_prompt}")
+    if alg.family == "rl":
+        _check_rl(spec)
     if rl.dual_clip is not None and rl.dual_clip <= 1:
         raise SpecError("rl.dual_clip", f"expected a number > 1 or null, got {rl.dual_clip}")
     for i, m in enumerate(spec.rewards.models):
@@ -241,18 +229,16 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     for i, r in enumerate(spec.rewards.remote):
         if not r.url.startswith(("http://", "https://")):
             raise SpecError(f"rewards.remote[{i}].url", f"expected an http(s) URL, got {r.url!r}")
-    if spec.algorithm in ("grpo", "ppo", "reinforce++", "rloo") and not (
-            spec.rewards.functions or spec.rewards.models or spec.rewards.remote or
-            (spec.algorithm == "ppo" and spec.init.rm_steps)):
-        raise SpecError("rewards", "an RL job needs at least one reward function, model or remote endpoint "
-                                   "(or, for ppo, init.rm_steps to train a reward model first)")
     if spec.algorithm == "conditional_sft":
         for name in ("eval_attributes", "compare_attributes"):
             try:
                 parse_attributes(getattr(spec.conditional, name), f"conditional.{name}")
             except ValueError as exc:
                 raise SpecError(f"conditional.{name}", str(exc).split(": ", 1)[1]) from None
-    if spec.algorithm in ("rejection_sampling", "iterative_dpo"):
+    if alg.family == "rounds":
+        if spec.algorithm == "iterative_dpo" and rl.samples_per_prompt < 2:
+            raise SpecError("rl.samples_per_prompt", "iterative_dpo pairs a prompt's best and worst samples: needs "
+                                                     f">= 2, got {rl.samples_per_prompt}")
         if spec.rewards.models:
             raise SpecError("rewards.models", f"{spec.algorithm} scores with reward functions or remote endpoints; "
                                               "scoring its rounds with a reward model is not built yet")
@@ -262,7 +248,7 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
             raise SpecError("train.global_batch_size", f"{spec.train.global_batch_size} is more than "
                                                        f"rounds.prompts_per_round ({spec.rounds.prompts_per_round}), "
                                                        "the most records a round can yield")
-    if spec.algorithm in ("kto", "iterative_dpo") and spec.preference.reference == "precomputed":
+    if alg.reference and spec.algorithm != "dpo" and spec.preference.reference == "precomputed":
         raise SpecError("preference.reference", "'precomputed' works for dpo only (kto's reference point and iterative "
                                                 "dpo's new pairs need the reference during training); use colocated")
     if spec.critic.path is not None and check_paths and not Path(spec.critic.path).is_dir():
@@ -280,6 +266,35 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
         if p is not None and not Path(p).is_file():
             raise SpecError(f"data.{name}", f"file {p} not found; give a JSON-lines file or null for "
                                             "the embedded data")
+
+
+def _check_rl(spec: JobSpec) -> None:
+    """The RL trainers' rules: reward sources, the estimator's needs, whole mini-batches."""
+    rl, t = spec.rl, spec.train
+    if not (spec.rewards.functions or spec.rewards.models or spec.rewards.remote or
+            (spec.algorithm == "ppo" and spec.init.rm_steps)):
+        raise SpecError("rewards", "an RL job needs at least one reward function, model or remote endpoint "
+                                   "(or, for ppo, init.rm_steps to train a reward model first)")
+    if rl.async_rollout and spec.placement.colocate == "all":
+        raise SpecError("rl.async_rollout", "rolls out while the trainers train, but placement.colocate 'all' puts the "
+                                            "engines to sleep then; use one or the other")
+    if rl.temperature <= 0:
+        raise SpecError("rl.temperature", f"RL learns from sampled rollouts: expected a number > 0, got {rl.temperature}")
+    name = advantage_of(spec.algorithm, rl.advantage)
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    if estimator.critic and not ALGORITHMS[spec.algorithm].critic:
+        raise SpecError("rl.advantage", f"{name} needs a critic's values; use algorithm: ppo, or an estimator "
+                                        "without a critic (grpo, dr_grpo, rloo, reinforce++, reinforce++_baseline)")
+    if estimator.group and rl.samples_per_prompt < 2:
+        raise SpecError("rl.samples_per_prompt", f"the {name} advantage compares the samples of a prompt: needs >= 2, "
+                                                 f"got {rl.samples_per_prompt}")
+    responses = rl.prompts_per_step * rl.samples_per_prompt
+    if responses % t.global_batch_size:
+        raise SpecError("train.global_batch_size", f"must divide rl.prompts_per_step x rl.samples_per_prompt = "
+                                                   f"{responses} (whole mini-batches per step), got {t.global_batch_size}")
+    if ALGORITHMS[spec.algorithm].critic and t.global_batch_size % spec.critic.num_ranks:
+        raise SpecError("critic.num_ranks", f"must divide train.global_batch_size ({t.global_batch_size}), "
+                                            f"got {spec.critic.num_ranks}")
 
 
 def spec_to_dict(spec) -> dict:

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS
+from elasticrl.world.presets import PRESETS
+
 
 def doc(text: str, default=None, *, factory=None, min=None, max=None, exclusive_min=False):
     """A dataclass field carrying its documentation and numeric bounds."""
@@ -22,7 +25,7 @@ class WorldSpec:
     """The embedded tiny world: model, tokenizer and data the project builds itself."""
 
     task: Literal["arithmetic"] = doc("Toy task the synthetic data teaches.", "arithmetic")
-    model_size: Literal["0.5m", "2m", "8m", "20m", "50m"] = doc(
+    model_size: Literal[tuple(PRESETS)] = doc(
         "Preset size of the tiny Llama (parameters).", "2m")
     max_operand: int = doc("Largest operand of the arithmetic problems.", 30, min=1, max=999)
     operators: str = doc("Operators drawn for problems, a subset of '+-*'.", "+-")
@@ -124,13 +127,16 @@ class RolloutSpec:
 class RLSpec:
     """Settings of the RL trainers (ppo, grpo, reinforce++, rloo); the paper's PPO tricks are options."""
 
-    advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce++", "reinforce++_baseline"] = doc(
+    advantage: Literal[("auto", *ADVANTAGE_ESTIMATORS)] = doc(
         "Advantage estimator; 'auto' follows the algorithm (ppo: gae, grpo: grpo, rloo: rloo, "
         "reinforce++: reinforce++_baseline).", "auto")
     prompts_per_step: int = doc("Prompts rolled out per step.", 32, min=1)
     samples_per_prompt: int = doc("Completions per prompt (n); group estimators need >= 2.", 8, min=1)
     max_new_tokens: int = doc("Longest completion, in tokens.", 16, min=1)
-    temperature: float = doc("Sampling temperature of rollouts.", 1.0, min=0)
+    temperature: float = doc(
+        "Sampling temperature of rollouts. The trainer's log-probs (PPO ratio, KL, importance weights) are "
+        "taken at the same temperature, as vLLM's returned log-probs are (of the distribution it sampled from: "
+        "after temperature, top_k and top_p).", 1.0, min=0)
     top_p: float = doc("Nucleus sampling of rollouts.", 1.0, min=0, max=1, exclusive_min=True)
     top_k: int = doc("Top-k sampling of rollouts; 0 disables.", 0, min=0)
     num_steps: int = doc("RL steps (rollout + update) to run.", 100, min=1)
@@ -182,7 +188,7 @@ class PreferenceSpec:
 @dataclass
 class RoundsSpec:
     """Rounds of generate -> score -> fine-tune (rejection_sampling, iterative_dpo); sampling
-    follows rl.samples_per_prompt, rl.temperature, rl.top_p and rl.max_new_tokens."""
+    follows rl.samples_per_prompt, rl.temperature, rl.top_p, rl.top_k and rl.max_new_tokens."""
 
     num_rounds: int = doc("Rounds of generate, score, fine-tune.", 3, min=1)
     prompts_per_round: int = doc("Prompts sampled each round.", 256, min=1)
@@ -310,8 +316,7 @@ class RaySpec:
 class JobSpec:
     """One job: ``algorithm`` picks the trainer, the rest configures it."""
 
-    algorithm: Literal["sft", "conditional_sft", "rm", "prm", "dpo", "kto", "rejection_sampling", "iterative_dpo", "grpo",
-                       "ppo", "reinforce++", "rloo"] = doc(
+    algorithm: Literal[tuple(ALGORITHMS)] = doc(
         "Which trainer runs the job.", "sft")
     seed: int = doc("Seed of model init, data order and sampling.", 1234)
     world: WorldSpec = doc("The embedded tiny world.", factory=WorldSpec)

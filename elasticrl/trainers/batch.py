@@ -30,6 +30,18 @@ def rows(batch: dict, index) -> dict:
     return {k: v[index] for k, v in batch.items()}
 
 
+def rows_reply(share: slice, key: str, values: torch.Tensor | None, leader: bool) -> dict:
+    """A rank's answer for its rows ``share`` of a batch (``gather_rows`` reassembles them);
+    ``leader``: false on tensor-parallel peers, whose rows the leader already sent."""
+    return {"rows": [share.start, share.stop], key: values, "leader": leader}
+
+
+def gather_rows(parts: list[dict], key: str) -> torch.Tensor:
+    """Reassemble the ranks' ``rows_reply`` answers in row order."""
+    pieces = sorted((p["rows"], p[key]) for p in parts if p["leader"] and p[key] is not None)
+    return torch.cat([t for _, t in pieces])
+
+
 def behaviour_logprobs(results: list[dict], batch: dict) -> torch.Tensor:
     """The rollout engine's log-probs of the sampled tokens, placed in the shifted layout."""
     out = torch.zeros_like(batch["response_mask"])

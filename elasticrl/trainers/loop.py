@@ -91,12 +91,10 @@ class Progress:
 
 
 def save_checkpoint(group, spec: JobSpec, output: Path, step: int) -> None:
-    root = output / "checkpoints"
-    tmp = ckpt.temp_checkpoint_dir(root, step)
-    group.call("save", str(tmp))
-    ckpt.write_trainer_state(tmp, {"step": step, "samples_seen": step * spec.train.global_batch_size,
-                                   "num_ranks": spec.train.num_ranks})
-    ckpt.commit_checkpoint(tmp, root, step, spec.checkpoint.keep)
+    with ckpt.new_checkpoint(output / "checkpoints", step, spec.checkpoint.keep) as tmp:
+        group.call("save", str(tmp))
+        ckpt.write_trainer_state(tmp, {"step": step, "samples_seen": step * spec.train.global_batch_size,
+                                       "num_ranks": spec.train.num_ranks})
 
 
 def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str) -> dict:

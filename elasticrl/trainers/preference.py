@@ -22,16 +22,16 @@ import torch
 
 from elasticrl import backend
 from elasticrl.algorithms.preference import dpo_loss, kto_loss
-from elasticrl.cluster import RoleGroup, ray_session
-from elasticrl.cluster.placement import pool_for
+from elasticrl.cluster import Placement, RoleGroup, ray_session
 from elasticrl.data.records import read_jsonl, sample_indices, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models import torch_dtype
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.models.load import load_causal_lm
 from elasticrl.models.scoring import response_logps
+from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
-from elasticrl.trainers.init import initial_model
+from elasticrl.trainers.warm_start import initial_model
 from elasticrl.trainers.loop import num_steps, offline_loop, prepare_output
 from elasticrl.world import world_paths
 
@@ -212,10 +212,9 @@ def resolve_preference_paths(spec: JobSpec) -> dict[str, str]:
 def run_preference(spec: JobSpec, output: Path) -> dict:
     output = prepare_output(spec, output)
     t = spec.train
-    with ray_session(spec.ray, num_cpus_needed=t.num_ranks):
+    with ray_session(spec.ray, cpus_needed(spec)):
         paths = resolve_preference_paths(spec)
-        group = RoleGroup("trainer", PreferenceWorker, t.num_ranks, spec_to_dict(spec), paths,
-                          pool=pool_for(spec.placement.pools, "actor"))
+        group = Placement(spec).group("actor", PreferenceWorker, spec_to_dict(spec), paths, name="trainer")
         try:
             records = _count_records(spec, paths)
             total = num_steps(t.max_steps, t.num_epochs, records, t.global_batch_size)

@@ -2,7 +2,9 @@
 
 Each holds a ``TrainRank`` (trained roles) or a plain model (frozen roles) and exposes what
 the driver calls per phase. Batches arrive whole (a Ray object shared by every rank); each
-rank takes its rows (``TrainRank.my_rows``), so tensor-parallel peers see the same data.
+rank takes its rows (``data.records.row_share``), so tensor-parallel peers see the same data,
+and answers with ``rows_reply``. The policy's log-probs, its entropy and the reference's
+log-probs are those of softmax(logits / rl.temperature), the distribution rollouts sample.
 """
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ from elasticrl import backend
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
-from elasticrl.data.records import pad_batch, read_jsonl, sample_indices, tokenize_sft
+from elasticrl.data.records import pad_batch, read_jsonl, row_share, sample_indices, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.spec import load_spec
-from elasticrl.trainers.batch import rows
+from elasticrl.trainers.batch import rows, rows_reply
 
 
 def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
@@ -34,6 +36,10 @@ def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
 def _denominators(batch: dict, index: torch.Tensor) -> dict:
     mask = batch["response_mask"][index]
     return {"num_tokens": mask.sum(), "num_seqs": len(index), "norm_length": mask.shape[1]}
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1.0 else logits.float() / temperature
 
 
 class _TrainedRole:
@@ -56,15 +62,15 @@ class _TrainedRole:
 
     def _micro(self, batch: dict, index: torch.Tensor):
         """This rank's share of a mini-batch, in micro-batches, on the device."""
-        mine = index[self.core.my_rows(len(index))]
-        mbs = self.train.micro_batch_size
-        for m in range(0, len(mine), mbs):
-            yield {k: v.to(self.core.device) for k, v in rows(batch, mine[m:m + mbs]).items()}
+        for part in self.core.split(index):
+            yield {k: v.to(self.core.device) for k, v in rows(batch, part).items()}
 
-    def _scale(self) -> float:
-        # DeepSpeed averages gradients over data-parallel ranks and divides by the accumulation
-        # steps; multiplying back makes the sum of local sums / global denominator exact.
-        return self.core.dp_size * self.core.grad_accum
+    def _forward_all(self, batch: dict, fn) -> tuple[slice, torch.Tensor | None]:
+        """``fn(micro-batch)`` over this rank's rows of the whole batch, concatenated."""
+        self.core.engine.eval()
+        n = batch["input_ids"].shape[0]
+        out = [fn(mb).cpu() for mb in self._micro(batch, torch.arange(n))]
+        return self.core.my_rows(n), (torch.cat(out) if out else None)
 
     def save(self, folder): self.core.save(folder)
     def load(self, folder): self.core.load(folder)
@@ -90,14 +96,12 @@ class ActorWorker(_TrainedRole):
     @torch.no_grad()
     def logprobs(self, batch: dict) -> dict:
         """Log-probs of this rank's rows under the current policy (shifted layout)."""
-        self.core.engine.eval()
-        index = torch.arange(batch["input_ids"].shape[0])[self.core.my_rows(batch["input_ids"].shape[0])]
-        out = []
-        for mb in self._micro(batch, torch.arange(batch["input_ids"].shape[0])):
-            logits = self.core.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            out.append(token_logprobs(logits, mb["labels"]).cpu())
-        return {"rows": [int(index[0]), int(index[-1]) + 1] if len(index) else [0, 0],
-                "logprobs": torch.cat(out) if out else None, "leader": self.core.is_dp_leader}
+        T = self.spec.rl.temperature
+        share, lp = self._forward_all(batch, lambda mb: token_logprobs(self._logits(mb), mb["labels"], T))
+        return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
+
+    def _logits(self, mb: dict) -> torch.Tensor:
+        return self.core.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
 
     def train(self, batch: dict, step: int) -> dict:
         """PPO epochs over the batch; returns mean stats over this rank's micro-batches."""
@@ -108,13 +112,12 @@ class ActorWorker(_TrainedRole):
         stats: dict[str, float] = {}
         count = minibatches = 0
         loss_sum = 0.0
-        scale = self._scale()
         num_rows = batch["input_ids"].shape[0]
         for k, index in enumerate(_minibatches(num_rows, self.train.global_batch_size, rl.epochs, s.seed + step)):
             denom = _denominators(batch, index)
             for mb in self._micro(batch, index):
-                logits = engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                logp = token_logprobs(logits, mb["labels"])
+                logits = self._logits(mb)
+                logp = token_logprobs(logits, mb["labels"], rl.temperature)
                 mask = mb["response_mask"]
                 weights = None
                 if "behaviour_logprobs" in mb and rl.tis_cap is not None:
@@ -128,15 +131,15 @@ class ActorWorker(_TrainedRole):
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, rl.loss_aggregation, **denom)
                     total = total + rl.kl_coef * kl
                     pstats["kl_loss"] = kl.item()
-                entropy_bt = entropy_from_logits(logits[:, :-1])
+                entropy_bt = entropy_from_logits(_tempered(logits[:, :-1], rl.temperature))
                 if rl.entropy_coef > 0:
                     total = total - rl.entropy_coef * aggregate(entropy_bt, mask, rl.loss_aggregation, **denom)
                 ent = aggregate(entropy_bt.detach(), mask, "token_mean")  # reported as a plain token mean
                 pstats["entropy"] = ent.item()
-                if rl.ptx_coef > 0:
-                    total = total + rl.ptx_coef * self._ptx_loss(step * 1000 + k, len(index)) / scale
-                engine.backward(total * scale)
-                engine.step()
+                if rl.ptx_coef > 0:  # a mean over its own tokens, not a share of the global batch
+                    total = total + rl.ptx_coef * self._ptx_loss(step * 1000 + k, len(index)) / \
+                        (self.core.dp_size * self.core.grad_accum)
+                self.core.backward(total)
                 loss_sum += loss.item()  # global-denominator share: summed over ranks = the loss
                 for key, v in pstats.items():
                     stats[key] = stats.get(key, 0.0) + v
@@ -172,21 +175,16 @@ class CriticWorker(_TrainedRole):
 
     @torch.no_grad()
     def values(self, batch: dict) -> dict:
-        self.core.engine.eval()
-        n = batch["input_ids"].shape[0]
-        index = torch.arange(n)[self.core.my_rows(n)]
-        out = []
-        for mb in self._micro(batch, torch.arange(n)):
-            out.append(token_values(self.core.engine.module, mb["input_ids"], mb["attention_mask"])[:, :-1].cpu())
-        return {"rows": [int(index[0]), int(index[-1]) + 1] if len(index) else [0, 0],
-                "values": torch.cat(out) if out else None, "leader": self.core.is_dp_leader}
+        module = self.core.engine.module
+        share, values = self._forward_all(
+            batch, lambda mb: token_values(module, mb["input_ids"], mb["attention_mask"])[:, :-1])
+        return rows_reply(share, "values", values, self.core.is_dp_leader)
 
     def train(self, batch: dict, step: int) -> dict:
         rl, critic = self.spec.rl, self.spec.critic
         engine = self.core.engine
         engine.train()
         total, minibatches = 0.0, 0
-        scale = self._scale()
         for index in _minibatches(batch["input_ids"].shape[0], self.train.global_batch_size, rl.epochs,
                                   self.spec.seed + step + 1):
             minibatches += 1
@@ -195,9 +193,7 @@ class CriticWorker(_TrainedRole):
                 values = token_values(engine.module, mb["input_ids"], mb["attention_mask"])[:, :-1]
                 loss = value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"],
                                   clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
-                engine.backward(loss * scale)
-                engine.step()
-                total += loss.item()
+                total += self.core.backward(loss)
         return {"value_loss_sum": total, "minibatches": minibatches, "critic_lr": engine.get_lr()[0]}
 
 
@@ -248,13 +244,14 @@ class FrozenWorker:
     def score(self, batch: dict) -> dict:
         """This rank's rows: log-probs (reference) or rewards at the last token (reward)."""
         n = batch["input_ids"].shape[0]
-        per = -(-n // self.world_size)
-        index = torch.arange(n)[self.rank * per:(self.rank + 1) * per]
+        share = row_share(n, self.world_size, self.rank)
+        per = -(-n // self.world_size)  # the largest share
+        index = torch.arange(n)[share]
         device = backend.current_device()
         if self.offload_idle:
             self._place(device)
-        out = []
-        mbs = self.spec.train.micro_batch_size
+        out, s = [], self.spec
+        mbs = s.train.micro_batch_size
         # Sharded ranks gather weights together: every rank runs the same number of forwards.
         steps = -(-per // mbs) if self.sharded else -(-len(index) // mbs)
         for m in range(steps):
@@ -266,10 +263,9 @@ class FrozenWorker:
                 result = values[torch.arange(len(last)), last].cpu()
             else:
                 logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                result = token_logprobs(logits, mb["labels"]).cpu()
+                result = token_logprobs(logits, mb["labels"], s.rl.temperature).cpu()
             if len(part):
                 out.append(result)
         if self.offload_idle:
             self._place(torch.device("cpu"))
-        return {"rows": [int(index[0]), int(index[-1]) + 1] if len(index) else [0, 0],
-                "values": torch.cat(out) if out else None, "leader": True}
+        return rows_reply(share, "values", torch.cat(out) if out else None, True)

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from elasticrl.algorithms.preference import bradley_terry_loss
-from elasticrl.cluster import RoleGroup, ray_session
-from elasticrl.cluster.placement import pool_for
+from elasticrl.cluster import Placement, ray_session
 from elasticrl.data.records import pad_batch, read_jsonl, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
+from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
-from elasticrl.trainers.init import initial_model
+from elasticrl.trainers.warm_start import initial_model
 from elasticrl.trainers.loop import num_steps, offline_loop, prepare_output
 from elasticrl.world import world_paths
 
@@ -104,14 +104,13 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
     output = prepare_output(spec, output)
     t = spec.train
     summary: dict = {}
-    with ray_session(spec.ray, num_cpus_needed=t.num_ranks):
+    with ray_session(spec.ray, cpus_needed(spec)):
         world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
         paths = {"model": initial_model(spec), "train": spec.data.train or str(world[datasets[0]]),
                  "eval": spec.data.eval or str(world[datasets[1]])}
         total = num_steps(t.max_steps, t.num_epochs, len(read(paths["train"])), t.global_batch_size)
         read(paths["eval"])
-        group = RoleGroup("reward_model", worker, t.num_ranks, spec_to_dict(spec), paths,
-                          pool=pool_for(spec.placement.pools, "actor"))
+        group = Placement(spec).group("actor", worker, spec_to_dict(spec), paths, name="reward_model")
         try:
             group.setup(total)
             summary.update(offline_loop(spec, group, output, total, step_row, lambda: evaluate(group, spec), show))

@@ -21,17 +21,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from elasticrl.cluster import RoleGroup, ray_session
-from elasticrl.cluster.placement import pool_for
+from elasticrl.cluster import Placement, RoleGroup, ray_session
 from elasticrl.data.records import format_prompt, read_jsonl, sample_indices, write_jsonl
 from elasticrl.models import load_tokenizer
+from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
-from elasticrl.rollout.pool import RolloutPool, evaluate_answers
+from elasticrl.rollout.pool import RolloutPool, evaluate_answers, sampling_params
 from elasticrl.spec import JobSpec, spec_to_dict
-from elasticrl.trainers.init import initial_model
 from elasticrl.trainers.loop import MetricsLog, Progress, finish_run, prepare_output
 from elasticrl.trainers.preference import PreferenceWorker
 from elasticrl.trainers.sft import SFTWorker
+from elasticrl.trainers.warm_start import initial_model
 from elasticrl.world import world_paths
 
 
@@ -53,10 +53,10 @@ def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]], rew
 
 def run_rounds(spec: JobSpec, output: Path) -> dict:
     output = prepare_output(spec, output)
-    t, r = spec.train, spec.rounds
+    r = spec.rounds
     rewards = RewardSources(spec)
     total = r.num_rounds * r.steps_per_round
-    with ray_session(spec.ray, num_cpus_needed=t.num_ranks + spec.rollout.num_engines * spec.rollout.cpus_per_engine):
+    with ray_session(spec.ray, cpus_needed(spec)):
         world = world_paths(spec.world)
         model = initial_model(spec)
         # the workers' own data is replaced each round (set_records); evaluation runs on vLLM here
@@ -66,13 +66,13 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
         prompts = read_jsonl(spec.data.train or str(world["rl_prompts"]), (spec.data.prompt_key, spec.data.answer_key))
         evals = read_jsonl(spec.data.eval or str(world["eval"]), (spec.data.prompt_key, spec.data.answer_key))
         worker = SFTWorker if spec.algorithm == "rejection_sampling" else PreferenceWorker
-        group = RoleGroup("trainer", worker, t.num_ranks, spec_to_dict(spec), paths,
-                          pool=pool_for(spec.placement.pools, "actor"))
+        placement = Placement(spec)
+        group = placement.group("actor", worker, spec_to_dict(spec), paths, name="trainer")
         pool = None
         try:
             group.setup(total)
             pool = RolloutPool(model, spec.rollout, spec.model.dtype, spec.seed, spec.model.trust_remote_code,
-                               pool=pool_for(spec.placement.pools, "rollout"))
+                               where=placement.options("rollout"))
             group.call("attach_rollout", pool.engines, pool.infos, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                        str(output / "weights"))
             summary = _loop(spec, group, pool, rewards, prompts, evals, model, output)
@@ -100,15 +100,13 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
         t0 = time.time()
         idx = sample_indices(len(prompts), spec.seed, rnd * r.prompts_per_round, r.prompts_per_round)
         batch = [prompts[i] for i in idx]
-        sampling = {"n": rl.samples_per_prompt, "temperature": rl.temperature, "top_p": rl.top_p,
-                    "max_tokens": rl.max_new_tokens, "seed": spec.seed + (rnd + 1) * 1_000_003}
-        results = pool.generate([encode(p[d.prompt_key]) for p in batch], sampling)
+        results = pool.generate([encode(p[d.prompt_key]) for p in batch], sampling_params(spec, rnd))
         texts = [[] for _ in batch]
         for res in results:
             texts[res["prompt_index"]].append(res["text"])
         flat = [t for ts in texts for t in ts]
         owners = [batch[i] for i, ts in enumerate(texts) for _ in ts]
-        scores = rewards([p[d.prompt_key] for p in owners], flat, [p.get(d.answer_key) for p in owners], None, []).tolist()
+        scores = rewards([p[d.prompt_key] for p in owners], flat, [p.get(d.answer_key) for p in owners]).tolist()
         k = rl.samples_per_prompt
         per_prompt = [scores[i * k:(i + 1) * k] for i in range(len(batch))]
         records = select(spec, batch, texts, per_prompt)
@@ -132,7 +130,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
 
 
 def _train_step(group: RoleGroup, step: int) -> float:
-    res = group.call("train_step", step)
+    res = [x for x in group.call("train_step", step) if x["leader"]]
     if "nll_sum" in res[0]:  # SFT: mean over the global batch's response tokens
-        return sum(x["nll_sum"] for x in res if x["dp_leader"]) / max(1, res[0]["global_tokens"])
-    return sum(x["loss_sum"] for x in res if x["leader"])
+        return sum(x["nll_sum"] for x in res) / max(1, res[0]["global_tokens"])
+    return sum(x["loss_sum"] for x in res)

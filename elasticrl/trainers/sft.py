@@ -7,7 +7,7 @@ means), as in the paper's SFT (Appendix A.1).
 Run it:
   CPU:          elasticrl run examples/tiny_sft.yaml --output runs/sft
   workstation:  elasticrl run my_sft.yaml --output runs/sft --set train.num_ranks=4
-  Slurm:        elasticrl launch --scheduler slurm my_sft.yaml   (once launch exists)
+  Slurm:        elasticrl launch my_sft.yaml --scheduler slurm
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from pathlib import Path
 
 from elasticrl import backend
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
-from elasticrl.cluster import RoleGroup, ray_session
-from elasticrl.cluster.placement import pool_for
-from elasticrl.data.records import pad_batch, read_jsonl, sample_indices, tokenize_sft
+from elasticrl.cluster import Placement, RoleGroup, ray_session
+from elasticrl.data.records import pad_batch, read_jsonl, tokenize_sft
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.evaluate import greedy_accuracy
+from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.trainers.loop import (MetricsLog, Progress, find_resume, finish_run, num_steps, prepare_output,
                                      save_checkpoint)
@@ -44,35 +44,26 @@ class SFTWorker:
         return {"dtype": self.core.dtype}
 
     def train_step(self, step: int) -> dict:
-        s, B = self.spec, self.spec.train.global_batch_size
-        idx = sample_indices(len(self.records), s.seed, step * B, B)
+        s, core = self.spec, self.core
         examples = [tokenize_sft(self.tokenizer, self.records[i][s.data.prompt_key],
                                  self.records[i][s.data.response_key], s.data.apply_chat_template,
-                                 s.data.max_length) for i in idx]
+                                 s.data.max_length) for i in core.batch_records(len(self.records), step)]
         # Every rank sees the whole global batch's ids, so it knows the global token count
         # without a collective: the loss is a true mean over all response tokens.
         global_tokens = sum(len(ids) - max(plen, 1) for ids, plen in examples)
-        core = self.core
-        mine = examples[core.my_rows(B)]
-        mbs = s.train.micro_batch_size
-        scale = core.dp_size * core.grad_accum / max(global_tokens, 1)
         lr = self.engine.get_lr()[0]
         nll_total, seq_tokens = 0.0, 0
         self.engine.train()
-        device = backend.current_device()
-        for m in range(0, len(mine), mbs):
-            ids, plens = zip(*mine[m:m + mbs])
-            batch = {k: v.to(device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id, list(plens)).items()}
+        for part in core.split(examples):
+            ids, plens = zip(*part)
+            batch = {k: v.to(core.device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id, list(plens)).items()}
             logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             nll = -masked_sum(token_logprobs(logits, batch["labels"]), response_mask(batch["labels"]))
-            self.engine.backward(nll * scale)
-            self.engine.step()
-            nll_total += nll.item()
+            nll_total += core.backward(nll, max(global_tokens, 1))
             seq_tokens += int(batch["attention_mask"].sum())
         grad_norm = self.engine.get_global_grad_norm()
         return {"nll_sum": nll_total, "global_tokens": global_tokens, "seq_tokens": seq_tokens, "lr": lr,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "dp_leader": core.is_dp_leader}
+                "grad_norm": float(grad_norm) if grad_norm is not None else None, "leader": core.is_dp_leader}
 
     def set_records(self, path: str) -> None:
         """Train on these examples from now on (rejection sampling: each round's)."""
@@ -96,7 +87,7 @@ class SFTWorker:
             answer_key=s.data.answer_key, apply_chat_template=s.data.apply_chat_template,
             max_new_tokens=s.eval.max_new_tokens, dp_rank=self.core.dp_rank, dp_size=self.core.dp_size,
             synced=synced, device=backend.current_device())
-        return {"correct": correct, "total": total, "dp_leader": self.core.is_dp_leader}
+        return {"correct": correct, "total": total, "leader": self.core.is_dp_leader}
 
     def save(self, folder: str) -> None:
         self.core.save(folder)
@@ -127,9 +118,8 @@ def run_sft(spec: JobSpec, output: Path) -> dict:
     resume_dir = find_resume(spec, output)
     start = ckpt.read_trainer_state(resume_dir)["step"] if resume_dir else 0
     summary: dict = {"steps": total, "resumed_from": start if resume_dir else None}
-    with ray_session(spec.ray, num_cpus_needed=t.num_ranks):
-        group = RoleGroup("trainer", SFTWorker, t.num_ranks, spec_to_dict(spec), paths,
-                          pool=pool_for(spec.placement.pools, "actor"))
+    with ray_session(spec.ray, cpus_needed(spec)):
+        group = Placement(spec).group("actor", SFTWorker, spec_to_dict(spec), paths, name="trainer")
         try:
             summary["dtype"] = group.setup(total)[0]["dtype"]
             if resume_dir:
@@ -141,7 +131,7 @@ def run_sft(spec: JobSpec, output: Path) -> dict:
 
 
 def _evaluate(group: RoleGroup, spec: JobSpec) -> float:
-    results = [r for r in group.call("evaluate", spec.eval.num_prompts) if r["dp_leader"]]
+    results = [r for r in group.call("evaluate", spec.eval.num_prompts) if r["leader"]]
     return sum(r["correct"] for r in results) / max(1, sum(r["total"] for r in results))
 
 
@@ -159,7 +149,7 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int
         t0 = time.time()
         results = group.call("train_step", step)
         seconds = time.time() - t0
-        leaders = [r for r in results if r["dp_leader"]]
+        leaders = [r for r in results if r["leader"]]
         done = step + 1
         row = {"step": done, "loss": sum(r["nll_sum"] for r in leaders) / max(1, results[0]["global_tokens"]),
                "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],

@@ -1,4 +1,5 @@
-"""Hugging Face-style sharded safetensors: size-bounded shards plus an index, written atomically.
+"""Hugging Face-style sharded safetensors: size-bounded shards plus an index (write them into
+an ``elasticrl.files.atomic_folder`` to publish them whole).
 
 Layout matches ``save_pretrained``: one ``model.safetensors`` when everything fits in one
 shard, else ``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``.
@@ -7,9 +8,6 @@ Nothing here unpickles anything.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -86,37 +84,3 @@ def iter_tensors(folder: str | Path, device: str = "cpu") -> Iterator[tuple[str,
 
 def load_sharded(folder: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(folder))
-
-
-def atomic_folder(final: str | Path):
-    """Context manager: yields a temp folder beside ``final``; on success it replaces ``final``."""
-    return _AtomicFolder(Path(final))
-
-
-class _AtomicFolder:
-    def __init__(self, final: Path):
-        self.final = final
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(dir=self.final.parent, prefix=f".{self.final.name}.tmp-"))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        os.chmod(self.tmp, 0o755)
-        replace_folder(self.tmp, self.final)
-        return False
-
-
-def replace_folder(src: Path, final: Path) -> None:
-    """Rename ``src`` to ``final``; an existing ``final`` is moved aside first, then removed."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.rename(final, old)
-    os.rename(src, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -196,15 +196,14 @@ class WeightSender:
 
     # --- files --------------------------------------------------------------------------
     def _send_files(self, params, size: int) -> None:
-        from elasticrl.weights.shards import replace_folder, save_sharded
+        from elasticrl.files import atomic_folder
+        from elasticrl.weights.shards import save_sharded
 
         self._files_seq = getattr(self, "_files_seq", 0) + 1
         root = Path(self.files_dir or "/tmp/elasticrl-weights")
         final = root / f"v{self._files_seq:06d}"
-        tmp = root / f".v{self._files_seq:06d}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_sharded({name: t.to("cpu", copy=True) for name, t in params}, tmp, size)
-        replace_folder(tmp, final)
+        with atomic_folder(final) as tmp:
+            save_sharded({name: t.to("cpu", copy=True) for name, t in params}, tmp, size)
         ray.get([e.load_files.remote(str(final)) for e in self.engines])
         for old in root.glob("v*"):
             if old != final:

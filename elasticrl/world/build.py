@@ -10,11 +10,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from elasticrl.spec.schema import WorldSpec
+from elasticrl.files import atomic_folder
+
+if TYPE_CHECKING:  # the spec's schema reads the world's presets: no import of it at run time
+    from elasticrl.spec.schema import WorldSpec
 
 DATASETS = ("sft", "rl_prompts", "preference", "eval", "preference_eval", "prm", "prm_eval")
 FORMAT_VERSION = 4  # bump when what a world contains changes
@@ -34,18 +36,8 @@ def world_dir(world: WorldSpec) -> Path:
     final = cache_root() / f"world-{world.task}-{world.model_size}-{world_key(world)}"
     if (final / "MANIFEST.json").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
+    with atomic_folder(final, keep_existing=True) as tmp:  # a world built by another process is the same
         _build_into(world, tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first: theirs is identical
-            if not (final / "MANIFEST.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

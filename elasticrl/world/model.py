@@ -8,17 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from elasticrl.world.tokenizer import VOCAB_SIZE
-
-# name: (hidden, layers, heads, kv_heads, intermediate). head_dim is 64 everywhere; head
-# counts divide by 2 (and most by 4) so vLLM can shard them with tensor parallelism.
-PRESETS = {
-    "0.5m": (128, 2, 2, 2, 352),
-    "2m": (256, 3, 4, 2, 640),
-    "8m": (384, 5, 6, 2, 1024),
-    "20m": (512, 7, 8, 4, 1408),
-    "50m": (768, 7, 12, 4, 2048),
-}
+from elasticrl.world.presets import PRESETS, VOCAB_SIZE
 
 
 def tiny_config(preset: str, tokenizer) -> LlamaConfig:

@@ -11,9 +11,10 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from elasticrl.world.presets import VOCAB_SIZE
+
 PAD, BOS, EOS, UNK, USER, ASSISTANT = "<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"
 SPECIALS = [PAD, BOS, EOS, UNK, USER, ASSISTANT]
-VOCAB_SIZE = 128  # 6 specials + 96 characters, padded to a multiple of 8 for TP slicing
 
 # User turns, then the assistant's answer closed by eos. Only user/assistant roles exist in
 # the tiny world; a system message is folded into the first user turn.

@@ -171,8 +171,8 @@ def test_running_moments_merge_batches():
 
 
 def test_dynamic_sampling_keeps_only_groups_whose_rewards_vary():
-    from elasticrl.trainers.rl import _filter_groups
+    from elasticrl.algorithms.advantages import varying_groups
 
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5 + 1e-3])
-    assert _filter_groups(rewards, 2).tolist() == [2, 3, 6, 7]
-    assert _filter_groups(torch.zeros(6), 3).tolist() == []
+    assert varying_groups(rewards, 2).tolist() == [2, 3, 6, 7]
+    assert varying_groups(torch.zeros(6), 3).tolist() == []

@@ -7,6 +7,7 @@ train on attribute-marked prompts (its learning on the full example is in the RE
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -19,7 +20,7 @@ from elasticrl.trainers.rm import run_rm
 from elasticrl.trainers.rounds import run_rounds
 from elasticrl.world import world_paths
 from elasticrl.world.task import is_correct
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, LEARNING
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "chec
     ["algorithm=kto", "data.packing=true", "train.max_steps=24"],
 ], ids=["dpo-precomputed-packed", "ipo", "cdpo", "kto-packed"])
 def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, variant):
-    spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + variant)
+    spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + variant + LEARNING)
     summary = run_preference(spec, tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = rows[0], rows[-1]
@@ -65,7 +66,7 @@ ROUNDS = ["model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null"
 
 @pytest.mark.parametrize("algorithm", ["rejection_sampling", "iterative_dpo"])
 def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algorithm):
-    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + [f"algorithm={algorithm}"])
+    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + [f"algorithm={algorithm}"] + LEARNING)
     summary = run_rounds(spec, tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
@@ -79,10 +80,25 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
             else:
                 assert is_correct(rec["chosen"], answers[rec["prompt"]])
                 assert not is_correct(rec["rejected"], answers[rec["prompt"]])
-        assert rows[rnd]["sync/version"] == rnd and rows[rnd]["loss"] == rows[rnd]["loss"]
+        # both losses are positive: a mean NLL, a mean -log sigmoid
+        assert rows[rnd]["sync/version"] == rnd and 0 < rows[rnd]["loss"] < math.inf
     # the rounds taught the task: held-out greedy accuracy rose over the starting model's
     assert rows[-1]["eval/accuracy"] >= rows[0]["eval/accuracy"] + 0.05, [r["eval/accuracy"] for r in rows]
     assert summary["final"]["round"] == 3 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_rounds_and_evaluation_sample_with_top_k(ray_cluster, tmp_path):
+    """rl.top_k reaches the rounds' sampling and pass@k: with top_k 1 sampling picks the most
+    likely token, so a prompt's samples are all alike (iterative DPO finds no pair whose rewards
+    differ) and pass@k equals the greedy accuracy."""
+    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + [
+        "algorithm=iterative_dpo", "rl.top_k=1", "rounds.num_rounds=1", "rounds.steps_per_round=1"])
+    run_rounds(spec, tmp_path / "run")
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1] and rows[1]["round/records"] == 0
+    assert (tmp_path / "run" / "rounds" / "1.jsonl").read_text() == ""
+    for row in rows:
+        assert row["eval/pass@2"] == row["eval/accuracy"], row
 
 
 def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_path):
@@ -114,7 +130,7 @@ SMALL_WORLD = ["world.max_operand=9", "eval.num_prompts=0", "train.lr=1e-3", "tr
 
 
 def test_reward_model_ranks_held_out_pairs(ray_cluster, tmp_path):
-    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + ["train.max_steps=60", "train.lr=5e-4"])
+    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + ["train.max_steps=60", "train.lr=5e-4"] + LEARNING)
     summary = run_rm(spec, tmp_path / "run")
     first, last = summary["initial"], summary["final"]
     assert abs(first["eval/margin"]) < 0.1 and last["eval/margin"] > 1.0, (first, last)
@@ -123,7 +139,7 @@ def test_reward_model_ranks_held_out_pairs(ray_cluster, tmp_path):
 
 
 def test_process_reward_model_learns_to_find_the_wrong_step(ray_cluster, tmp_path):
-    spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + ["train.max_steps=200"])
+    spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + ["train.max_steps=200"] + LEARNING)
     summary = run_prm(spec, tmp_path / "run")
     first, last = summary["initial"], summary["final"]
     # 3 steps in 8 are on track: a head that always says 'wrong' scores 62.5 %; picking one

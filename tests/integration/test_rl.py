@@ -4,6 +4,7 @@ examples/tiny_grpo.yaml (README), these check the wiring, the bookkeeping and th
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,7 +15,7 @@ import yaml
 
 from elasticrl.cluster import RoleError, RoleGroup
 from elasticrl.spec import load_spec
-from elasticrl.trainers.init import initial_model
+from elasticrl.trainers.warm_start import initial_model
 from elasticrl.trainers.rl import run_rl
 from elasticrl.world.task import is_correct
 from tests.conftest import EXAMPLES
@@ -64,23 +65,25 @@ PPO = ["init.rm_steps=30", "rl.num_steps=3", "rl.freeze_actor_steps=1", "eval.ev
        "rl.samples_per_prompt=2", "rl.prompts_per_step=16"]
 
 
-# The separate layout (a placement group per role) is what every other RL test uses; the
-# full tiny_ppo.yaml ran both ways with identical metrics (README).
-@pytest.mark.parametrize("colocate", ["actor_ref+critic_reward"])
-def test_ppo_runs_with_four_model_roles(ray_cluster, tmp_path, colocate):
-    spec = load_spec(EXAMPLES / "tiny_ppo.yaml", BASE + PPO + [f"placement.colocate={colocate}"])
-    summary = run_rl(spec, tmp_path / colocate)
+# Colocated pairs; the separate layout (a placement group per role) is what every other RL
+# test uses, and the full tiny_ppo.yaml ran both ways with identical metrics (README).
+def test_ppo_runs_with_four_model_roles_colocated_in_pairs(ray_cluster, tmp_path):
+    spec = load_spec(EXAMPLES / "tiny_ppo.yaml", BASE + PPO + ["placement.colocate=actor_ref+critic_reward"])
+    summary = run_rl(spec, tmp_path / "run")
     where = summary["placement"]
     assert {"actor", "reference", "critic", "reward0", "rollout"} <= set(where)
     assert where["actor"] == where["reference"] and where["critic"] == where["reward0"]
     assert len({where["actor"], where["critic"], where["rollout"]}) == 3
-    steps = _steps(tmp_path / colocate)
+    steps = _steps(tmp_path / "run")
     assert sorted(steps) == [1, 2, 3]
     assert "policy_loss" not in steps[1]  # the actor is frozen while the critic warms up
-    for n in (2, 3):
-        assert steps[n]["policy_loss"] == steps[n]["policy_loss"] and steps[n]["clip_frac"] >= 0
+    # frozen through step 1, the actor is the reference at steps 1 and 2: the k1 KL is 0 there
+    assert abs(steps[1]["kl"]) < 1e-6 and abs(steps[2]["kl"]) < 1e-6 and abs(steps[3]["kl"]) > 1e-6, steps
+    for n in (2, 3):  # 2 mini-batches a step: the second sees updated weights, so the ratio moved
+        assert math.isfinite(steps[n]["policy_loss"]) and 0.0 <= steps[n]["clip_frac"] <= 1.0
+        assert steps[n]["approx_kl"] > 0, steps[n]
     for row in steps.values():
-        assert row["value_loss"] > 0 and row["kl"] == row["kl"] and row["sync/version"] == row["step"]
+        assert row["value_loss"] > 0 and row["sync/version"] == row["step"]
     assert summary["reward_model"].endswith("final")
 
 
@@ -152,3 +155,51 @@ def test_zero3_sharded_reference_scores_like_a_whole_one(ray_cluster):
         out[ranks] = torch.cat([p["values"] for p in sorted(parts, key=lambda p: p["rows"]) if p["values"] is not None])
     assert out[1].shape == (5, batch["input_ids"].shape[1] - 1)
     torch.testing.assert_close(out[2], out[1], atol=1e-5, rtol=0)
+
+
+def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_path):
+    """The acid test at T = 0.7: after a weight sync, the engine's log-probs of the tokens it
+    sampled, the actor's and an independent fp32 forward's log_softmax(logits / 0.7) agree
+    within 1e-4; untempered ones would differ by far more (the temperature is not a no-op)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from elasticrl.algorithms.logprobs import token_logprobs
+    from elasticrl.data.records import format_prompt, read_jsonl
+    from elasticrl.models import load_tokenizer
+    from elasticrl.rollout.pool import RolloutPool, sampling_params
+    from elasticrl.spec import spec_to_dict
+    from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
+    from elasticrl.trainers.rl_workers import ActorWorker
+    from elasticrl.world import world_paths
+
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["rl.temperature=0.7", "train.num_ranks=1",
+                                                          "rl.max_new_tokens=8"])
+    model = initial_model(spec)
+    tok = load_tokenizer(model)
+    prompts = [tok(format_prompt(tok, r["prompt"], True), add_special_tokens=False)["input_ids"]
+               for r in read_jsonl(world_paths(spec.world)["rl_prompts"])[:8]]
+    pool = RolloutPool(model, spec.rollout, "fp32", spec.seed)
+    actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(spec), model)
+    try:
+        actor.setup(10)
+        actor.call("attach_rollout", pool.engines, pool.infos, "shm", 64, str(tmp_path))
+        assert actor.call("sync_weights", 1)[0]["sync/version"] == 1
+        results = pool.generate(prompts, sampling_params(spec, 0))
+        batch = pack([prompts[r["prompt_index"]] for r in results], [r["token_ids"] for r in results],
+                     tok.pad_token_id)
+        trainer = gather_rows(actor.call("logprobs", batch), "logprobs")
+        actor.call("detach_rollout")
+    finally:
+        actor.shutdown()
+        pool.shutdown()
+    assert all(r["weight_version"] == 1 for r in results) and len(results) == 8 * spec.rl.samples_per_prompt
+    mask = batch["response_mask"]
+    engine = behaviour_logprobs(results, batch)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = token_logprobs(logits, batch["labels"], 0.7) * mask
+    torch.testing.assert_close(trainer * mask, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(engine * mask, expected, atol=1e-4, rtol=0)
+    assert ((token_logprobs(logits, batch["labels"]) * mask - expected).abs().max()) > 0.05

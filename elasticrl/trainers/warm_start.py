@@ -6,11 +6,8 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
+from elasticrl.files import atomic_folder
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.world import world_paths
 from elasticrl.world.build import cache_root, world_key
@@ -18,22 +15,18 @@ from elasticrl.world.build import cache_root, world_key
 log = logging.getLogger(__name__)
 
 
-def _cached(spec: JobSpec, kind: str, run) -> str:
-    """``run(spec, output)`` once per distinct spec; returns the cached ``final`` export."""
+def _cached(spec: JobSpec, kind: str) -> str:
+    """The job ``spec`` run once per distinct spec; returns its cached ``final`` export."""
+    from elasticrl.trainers import run_job
+
     # The world's key too: both train on the world's data, so a new world format must retrain.
     blob = {"spec": spec_to_dict(spec), "world": world_key(spec.world)}
     key = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
     final = cache_root() / f"{kind}-{key}"
     if not (final / "final" / "config.json").is_file():
         log.warning("%s: training %s (cached in %s)", kind, spec.algorithm, final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{kind}-{key}."))
-        try:
-            run(spec, tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_folder(final) as tmp:
+            run_job(spec, tmp)
     return str(final / "final")
 
 
@@ -50,9 +43,7 @@ def _small_job(spec: JobSpec, algorithm: str, steps: int, lr: float, model_path:
 
 def warm_start(spec: JobSpec) -> str:
     """The embedded model fine-tuned for ``init.sft_steps`` on the world's SFT data."""
-    from elasticrl.trainers.sft import run_sft
-
-    return _cached(_small_job(spec, "sft", spec.init.sft_steps, spec.init.sft_lr, None), "warmstart", run_sft)
+    return _cached(_small_job(spec, "sft", spec.init.sft_steps, spec.init.sft_lr, None), "warmstart")
 
 
 def initial_model(spec: JobSpec) -> str:
@@ -66,7 +57,4 @@ def initial_model(spec: JobSpec) -> str:
 
 def trained_reward_model(spec: JobSpec) -> str:
     """A Bradley-Terry reward model on the world's preference pairs, from the job's start."""
-    from elasticrl.trainers.rm import run_rm
-
-    return _cached(_small_job(spec, "rm", spec.init.rm_steps, spec.init.rm_lr, initial_model(spec)),
-                   "rewardmodel", run_rm)
+    return _cached(_small_job(spec, "rm", spec.init.rm_steps, spec.init.rm_lr, initial_model(spec)), "rewardmodel")

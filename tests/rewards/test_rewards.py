@@ -1,4 +1,4 @@
-"""Reward sources and `elasticrl plot`, without Ray: a real local HTTP server, real PNGs."""
+"""Reward sources without Ray: functions by import path, a real local HTTP server, the sum."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 from elasticrl.rewards.functions import exact_answer, load_function
 from elasticrl.rewards.remote import RemoteReward
-from elasticrl.trainers.plot import plot_run, series
-from tests.conftest import run_cli
 
 
 def _serve(replies: list[tuple[int, bytes]]):
@@ -82,20 +81,19 @@ def test_reward_functions_load_by_import_path():
         load_function("elasticrl.rewards.functions:nope")
 
 
-def test_plot_writes_one_png_per_metric_group(tmp_path):
-    rows = [{"step": s, "loss": 1.0 / (s + 1), "eval/accuracy": s / 10, "sync/transport": "shm",
-             "sync/seconds": 0.1, "nan_metric": float("nan")} for s in range(5)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = series(rows)
-    assert "sync/transport" not in data and "nan_metric" not in data
-    assert data["eval/accuracy"] == ([0, 1, 2, 3, 4], [0.0, 0.1, 0.2, 0.3, 0.4])
-    files = plot_run(tmp_path)
-    assert sorted(f.name for f in files) == ["eval.png", "sync.png", "train.png"]
-    assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
-    assert not [p for p in (tmp_path / "plots").iterdir() if p.name.startswith(".")]
+def test_reward_sources_sum_functions_endpoints_and_models_with_their_weights():
+    from elasticrl.rewards.sources import RewardSources
+    from elasticrl.spec import load_spec
 
-
-def test_plot_cli_errors_name_the_folder(tmp_path):
-    proc = run_cli("plot", str(tmp_path), timeout=120)
-    assert proc.returncode == 2 and f"{tmp_path}/metrics.jsonl: no metrics here" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    server, url, seen = _serve([(200, json.dumps({"rewards": [0.5, -1.0]}).encode())])
+    try:
+        spec = load_spec({"algorithm": "grpo", "rewards": {
+            "functions": [{"path": "elasticrl.rewards.functions:exact_answer", "weight": 2.0}],
+            "remote": [{"url": url, "weight": 0.5}]}})
+        total = RewardSources(spec)(["1+1=", "2+2="], ["2", "5"], ["2", "4"],
+                                    models=[(lambda: torch.tensor([0.25, 1.0]), 4.0)])
+    finally:
+        server.shutdown()
+    # 2 x exact (1, 0) + 0.5 x remote (0.5, -1) + 4 x model (0.25, 1) = (2 + .25 + 1, 0 - .5 + 4)
+    assert total.tolist() == [3.25, 3.5]
+    assert seen == [{"prompts": ["1+1=", "2+2="], "completions": ["2", "5"], "answers": ["2", "4"]}]
