@@ -17,12 +17,12 @@ PYTHON = sys.executable
 
 
 def _pool_role(name: str, nodes: int, cpus: int, gpus: int, mem_gb: int, image: str, python: str,
-               output: str, timeout_s: int, env: dict) -> specs.Role:
+               output: str, timeout_s: int, env: dict, max_restarts: int, lost_s: int) -> specs.Role:
     return specs.Role(
-        name=name, image=image, entrypoint=python, num_replicas=nodes,
+        name=name, image=image, entrypoint=python, num_replicas=nodes, max_retries=max_restarts,
         args=["-m", "launch.node", "worker", "--app-id", specs.macros.app_id, "--pool", name,
               "--head-env", specs.macros.rank0_env, "--cpus", str(cpus), "--gpus", str(gpus),
-              "--output", output, "--timeout-s", str(timeout_s)],
+              "--output", output, "--timeout-s", str(timeout_s), "--lost-s", str(lost_s)],
         resource=specs.Resource(cpu=cpus, gpu=gpus, memMB=mem_gb * 1024), env=dict(env))
 
 
@@ -41,6 +41,8 @@ def job(
     rollout_gpus: int = 0,
     rollout_mem_gb: int = 8,
     timeout_s: int = 600,
+    max_restarts: int = 0,
+    lost_s: int = 60,
     image: str = "",
     python: str = PYTHON,
 ) -> specs.AppDef:
@@ -68,6 +70,9 @@ def job(
         rollout_gpus: GPUs per rollout node
         rollout_mem_gb: memory per rollout node, GB
         timeout_s: seconds the head waits for every node to join
+        max_restarts: times the scheduler restarts the whole app when a node or the driver dies (Slurm
+            requeues it); the restarted job resumes from its newest checkpoint
+        lost_s: seconds a pool node waits for a head that stopped answering before it fails
         image: the working directory (local_cwd, slurm) or container image (kubernetes)
         python: the Python that runs the nodes (default: the one building the app)
     """
@@ -83,10 +88,11 @@ def job(
         safe = re.fullmatch(r"[\w.\-+=/:,@%]+", item)
         head_args += ["--set", item] if safe else ["--set-b64", base64.urlsafe_b64encode(item.encode()).decode()]
     roles = [specs.Role(name="head", image=image, entrypoint=python, args=head_args, num_replicas=1,
+                        max_retries=max_restarts,
                         resource=specs.Resource(cpu=head_cpus, gpu=0, memMB=head_mem_gb * 1024), env=dict(env))]
     roles.append(_pool_role("train", train_nodes, train_cpus, train_gpus, train_mem_gb, image, python, output,
-                            timeout_s, env))
+                            timeout_s, env, max_restarts, lost_s))
     if rollout_nodes:
         roles.append(_pool_role("rollout", rollout_nodes, rollout_cpus, rollout_gpus, rollout_mem_gb, image,
-                                python, output, timeout_s, env))
+                                python, output, timeout_s, env, max_restarts, lost_s))
     return specs.AppDef(name="elasticrl", roles=roles)

@@ -66,12 +66,18 @@ def launch(
     nodes: int = typer.Option(1, "--nodes", help="Nodes the GPUs are spread over."),
     image: Optional[str] = typer.Option(None, "--image", help="Working dir (local_cwd, slurm) or container image."),
     detach: bool = typer.Option(False, "--detach", help="Return after submitting (not for local_cwd)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0,
+                                     help="Restart the job when its driver or a node dies, up to N times; it resumes "
+                                          "from its newest checkpoint (set checkpoint.every_steps)."),
+    lost_s: int = typer.Option(60, "--lost-s", min=1, help="Seconds a node waits for a head that stopped answering "
+                                                           "before it fails (then the app fails and can restart)."),
 ):
     """Launch a job through TorchX: a Ray head plus node pools, on local processes, Slurm or Kubernetes.
 
     Prints the plan and the app handle, then streams the head's log until the job ends; the
     exit code is the job's. `elasticrl status|logs|cancel HANDLE` work from another shell
-    (Slurm; local_cwd apps live only as long as this command)."""
+    (Slurm; local_cwd apps live only as long as this command). With --max-restarts, Slurm
+    requeues a failed job itself; on local_cwd this command submits it again."""
     from launch import submit
     from elasticrl.plan import Inventory, PlanError, plan_job, render
     from elasticrl.spec import SpecError, explicit_fields, load_spec, read_raw
@@ -91,7 +97,7 @@ def launch(
             typer.echo(render(plan))
             sets += plan.overrides()
         pools = submit.pool_args(job, plan, inventory)
-        app_def = submit.build_app(str(spec), output, sets, pools, scheduler, image)
+        app_def = submit.build_app(str(spec), output, sets, pools, scheduler, image, max_restarts, lost_s)
         described = submit.describe_app(app_def)  # before TorchX adds its scheduler's variables
         info = submit.dryrun(app_def, scheduler, submit.parse_cfg(cfg))
     except (SpecError, PlanError, ValueError) as exc:
@@ -103,10 +109,29 @@ def launch(
         typer.echo(f"--- {scheduler} request ---")
         typer.echo(str(info))
         return
-    handle = submit.runner().schedule(info)
-    typer.echo(f"app handle: {handle}")
-    if detach:
-        return
+    restarts = 0
+    while True:
+        handle = submit.runner().schedule(info)
+        typer.echo(f"app handle: {handle}")
+        if detach:
+            return
+        state = _follow(handle)
+        # Slurm requeues the job itself (TorchX's retries); local_cwd ignores them: submit again
+        if state == "SUCCEEDED" or scheduler != "local_cwd" or restarts >= max_restarts:
+            break
+        restarts += 1
+        step = submit.resumable_step(output)
+        typer.echo(f"{handle}: {state}; restart {restarts} of {max_restarts}, "
+                   + (f"resuming from step {step}" if step is not None else "from the start (no checkpoint yet)"))
+        info = submit.dryrun(app_def, scheduler, submit.parse_cfg(cfg))
+    if state != "SUCCEEDED":
+        _fail(f"the job ended {state}; see elasticrl logs {handle} --role train, and {output}/logs", 1)
+
+
+def _follow(handle: str) -> str:
+    """Stream the head's log until the app ends; its final state."""
+    from launch import submit
+
     try:
         for line in submit.log_lines(handle, "head", tail=True):
             typer.echo(line.rstrip("\n"), err=True)
@@ -115,8 +140,7 @@ def launch(
     final = submit.wait(handle)
     state = str(final.state).split(".")[-1] if final else submit.status(handle)[0]
     typer.echo(f"{handle}: {state}")
-    if state != "SUCCEEDED":
-        _fail(f"the job ended {state}; see elasticrl logs {handle} --role train, and {output}/logs", 1)
+    return state
 
 
 @app.command()

@@ -3,6 +3,7 @@ target, then renamed over it (a rename within one folder is atomic on POSIX file
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -56,3 +57,27 @@ def _replace_folder(src: Path, final: Path) -> None:
     os.rename(src, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# disk problems by errno, how the OS words them, and what to do about each
+_DISK = {errno.ENOSPC: ("No space left on device", "free space there"),
+         errno.EDQUOT: ("Disk quota exceeded", "free space in your quota there"),
+         errno.EACCES: ("Permission denied", "make it writable, or write elsewhere (--output)"),
+         errno.EROFS: ("Read-only file system", "write elsewhere (--output)")}
+
+
+def disk_problem(exc: BaseException) -> tuple[str, str] | None:
+    """(what, fix) when ``exc``, or a failure it wraps (a rank's error arrives as text), is one
+    of the disk problems above; None otherwise."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK:
+            return _DISK[seen.errno]
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    for what, fix in _DISK.values():
+        if what in text or what.replace(" ", "") in text.replace(" ", ""):  # Rust's StorageFull etc. too
+            return what, fix
+    if "StorageFull" in text:
+        return _DISK[errno.ENOSPC]
+    return None

@@ -88,12 +88,23 @@ def _ray_env(app_id: str) -> dict[str, str]:
 
 
 def _start_ray(args: list[str], app_id: str, log_path: Path) -> subprocess.Popen:
-    """``ray start ... --block`` in a process group of its own (stopped as a whole later)."""
+    """``ray start ... --block`` in a process group of its own (stopped as a whole later). If
+    this process dies without stopping it (SIGKILL, a crash), the kernel sends it SIGTERM, on
+    which ``--block`` stops the Ray it started: a dead head takes its Ray with it, so the other
+    nodes see it gone and the app fails (and can be restarted) instead of hanging."""
     ray = str(Path(sys.executable).parent / "ray")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     return subprocess.Popen([ray, "start", *args, "--block", "--disable-usage-stats"], env=_ray_env(app_id),
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
@@ -316,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--head-env", required=True, help="Name of the variable holding the head's host.")
     w.add_argument("--lost-s", type=float, default=60, help="Seconds without the head before failing.")
     ns = p.parse_args(argv)
+    # A requeued Slurm job keeps its id: the attempt keeps its files (token, port, Ray's temp dir)
+    # apart from those a killed attempt left behind, which its nodes would otherwise read.
+    ns.app_id = f"{ns.app_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
 
     signal.signal(signal.SIGTERM, _terminated)
     return head(ns) if ns.kind == "head" else worker(ns)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
 
@@ -64,12 +66,44 @@ def _group_widths(plan) -> dict:
     return out
 
 
-def build_app(spec_path: str, output: str, sets: list[str], pools: dict, scheduler: str, image: str | None):
+def build_app(spec_path: str, output: str, sets: list[str], pools: dict, scheduler: str, image: str | None,
+              max_restarts: int = 0, lost_s: int = 60):
     from components.elasticrl import job
 
     python = "python" if scheduler == "kubernetes" else sys.executable
     image = image or ("ghcr.io/elasticrl/elasticrl:latest" if scheduler == "kubernetes" else os.getcwd())
-    return job(spec=spec_path, output=output, sets=shlex.join(sets), image=image, python=python, **pools)
+    return job(spec=spec_path, output=output, sets=shlex.join(sets), image=image, python=python,
+               max_restarts=max_restarts, lost_s=lost_s, **pools)
+
+
+def resumable_step(output: str) -> int | None:
+    """The step a restarted job of ``output`` resumes from (its newest checkpoint), if any."""
+    from elasticrl.engine.checkpoint import list_checkpoints
+
+    found = list_checkpoints(Path(output) / "checkpoints")
+    return found[-1][0] if found else None
+
+
+def slurm_restarts(job_id: str) -> int | None:
+    """How many times Slurm requeued the job (``scontrol show job``), None when it does not say."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\bRestarts=(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+def _resumed(handle: str) -> str | None:
+    """What the head's log says the running attempt resumed from ('step 4'), if it did."""
+    from elasticrl.engine.checkpoint import RESUMING
+
+    try:
+        said = [ln for ln in log_lines(handle) if RESUMING in ln]
+    except Exception:  # no log (yet) or one the scheduler cannot read back: say nothing
+        return None
+    m = re.search(r"\((step \d+)\)", said[-1]) if said else None
+    return f"resumed from {m.group(1)}" if m else None
 
 
 def describe_app(app) -> str:
@@ -124,6 +158,11 @@ def status(handle: str) -> tuple[str, str]:
         return "UNKNOWN", f"no such app: {handle}"
     roles = ", ".join(f"{r.role}: " + " ".join(str(x.state).split(".")[-1] for x in r.replicas)
                       for r in st.roles)
+    scheduler, _, app_id = _split(handle)
+    restarts = slurm_restarts(app_id) if scheduler == "slurm" else None
+    if restarts:
+        resumed = _resumed(handle)
+        roles += f"; restarted {restarts} time(s)" + (f", {resumed}" if resumed else "")
     return str(st.state).split(".")[-1], roles
 
 

@@ -33,3 +33,15 @@ def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def examples_dir() -> Path:
     return EXAMPLES
+
+
+def stopped_at(run: Path, step: int, into: Path) -> Path:
+    """What a run that stopped after ``step`` leaves in its output: the checkpoint of that step
+    and its metrics up to then (and later rows, which a resumed run must drop, from ``run``)."""
+    import shutil
+
+    (into / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:07d}"
+    shutil.copytree(run / "checkpoints" / name, into / "checkpoints" / name)
+    shutil.copy(run / "metrics.jsonl", into / "metrics.jsonl")
+    return into

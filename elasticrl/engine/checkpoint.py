@@ -1,10 +1,14 @@
-"""Resumable checkpoints and Hugging Face export of a DeepSpeed engine.
+"""Resumable checkpoints and the Hugging Face export of a DeepSpeed engine.
 
-A checkpoint folder holds DeepSpeed's own state (weights, optimizer, LR schedule), one RNG
-file per rank (safetensors) and ``trainer_state.json`` (step and data position). Every
-rank writes into a temp folder that the driver renames to ``step_NNNNNNN`` once all ranks
-are done (``new_checkpoint``), so a crash mid-save leaves no checkpoint rather than a
-broken one.
+A checkpoint ``step_NNNNNNN/`` holds one folder per trained role (``actor/``, ``critic/``),
+each a Hugging Face folder of the fp32 master weights with the optimizer moments, the
+schedule and each rank's RNG beside them (``engine.state``: rank-unaware, so any world size
+and ZeRO stage resumes it), and ``trainer_state.json``: the step, the data position, what the
+trainer carries between steps, the spec and the code version that wrote it. Only
+safetensors and JSON are written, and a folder holding anything else is refused before
+anything is loaded: nothing is ever unpickled. Every rank writes into a temp folder that the
+driver renames once all are done (``new_checkpoint``), so a crash mid-save leaves no
+checkpoint rather than a broken one, and older ones are pruned only after that.
 """
 from __future__ import annotations
 
@@ -15,44 +19,79 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from elasticrl import backend
+import elasticrl
 from elasticrl.files import atomic_folder, write_text
-from elasticrl.weights.shards import save_sharded
 
-DS_TAG = "deepspeed"
+FORMAT = 2  # of what a checkpoint holds; bump when a reader of the old one would misread it
 STATE_FILE = "trainer_state.json"
+RESUMING = "resuming from checkpoint"  # the console line `elasticrl status` looks for
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# the only files elasticrl writes into a checkpoint (a tokenizer's chat template is Jinja text)
+SAFE_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt")
+# spec fields a resumed job may change: how long it runs, how it reports, where and on how many
+# ranks it runs (the data order and the global batch do not depend on them)
+MAY_CHANGE = ("train.max_steps", "train.num_epochs", "rl.num_steps", "rounds.num_rounds", "eval.", "log.",
+              "checkpoint.", "export.", "ray.", "placement.", "train.num_ranks", "train.micro_batch_size",
+              "train.tp_size", "train.zero_stage", "train.offload_optimizer", "train.offload_params",
+              "train.comm_timeout_s", "critic.num_ranks", "model.gradient_checkpointing", "rollout.num_engines",
+              "rollout.tp_size", "rollout.cpus_per_engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization",
+              "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep")
 
 
-def save_engine_state(engine, folder: str | Path, rank: int) -> None:
-    """Called on every rank, inside the temp folder the driver created."""
-    folder = Path(folder)
-    engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
-    save_file(backend.rng_state(), str(folder / f"rng_rank{rank}.safetensors"))
+def write_trainer_state(folder: Path, spec, state: dict) -> None:
+    """``trainer_state.json``: ``state`` plus the format, the code version and the spec."""
+    from elasticrl.spec import spec_to_dict
 
-
-def load_engine_state(engine, folder: str | Path, rank: int) -> None:
-    folder = Path(folder)
-    # DeepSpeed's checkpoint format holds pickled optimizer objects: it loads them itself
-    # (it is our own file, written by this run); nothing from elsewhere is unpickled.
-    path, _ = engine.load_checkpoint(str(folder), tag=DS_TAG, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
-    if path is None:
-        raise FileNotFoundError(f"{folder}: no DeepSpeed state under tag {DS_TAG!r}")
-    rng = folder / f"rng_rank{rank}.safetensors"
-    if rng.is_file():  # absent when resuming at a larger world size: keep the fresh seed
-        backend.set_rng_state(load_file(str(rng)))
-
-
-def write_trainer_state(folder: Path, state: dict) -> None:
-    write_text(folder / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
+    doc = {"format": FORMAT, "elasticrl": elasticrl.__version__, **state, "spec": spec_to_dict(spec)}
+    write_text(folder / STATE_FILE, json.dumps(doc, indent=2, sort_keys=True))
 
 
 def read_trainer_state(folder: Path) -> dict:
-    return json.loads((Path(folder) / STATE_FILE).read_text())
+    path = Path(folder) / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}); the checkpoint is damaged: "
+                         "resume from another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)") \
+            from None
+
+
+def check_resumable(folder: Path, spec) -> dict:
+    """The trainer state of checkpoint ``folder`` once it is safe and fit to resume ``spec``:
+    it holds only files elasticrl writes, its format is this code's, and the spec differs
+    from the one that wrote it only in fields that may change. Errors name the fix."""
+    from elasticrl.spec import spec_to_dict
+
+    folder = Path(folder)
+    state = read_trainer_state(folder)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.suffix not in SAFE_SUFFIXES:
+            raise ValueError(f"checkpoint.resume: {path} is not a file elasticrl writes (only safetensors and JSON); "
+                             "refusing to resume from a folder that holds it (a pickle could run code)")
+    if state.get("format") != FORMAT:
+        raise ValueError(f"checkpoint.resume: {folder} is of checkpoint format {state.get('format', 1)} "
+                         f"(elasticrl {state.get('elasticrl', '< 0.2')}); this elasticrl reads format {FORMAT}: "
+                         "start fresh with checkpoint.resume: null")
+    changed = changed_fields(state["spec"], spec_to_dict(spec))
+    fixed = [k for k in changed if not k.startswith(MAY_CHANGE)]
+    if fixed:
+        shown = ", ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})" for k in fixed)
+        raise ValueError(f"checkpoint.resume: {folder} was written by a job that differs in {shown}, which a "
+                         "resumed job may not change (it may change step counts, eval, log, checkpoint, export, "
+                         "placement and rank counts); set them back, or use another --output")
+    return state
+
+
+def changed_fields(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """Dotted field -> (old, new) of every leaf that differs between two spec dicts."""
+    out = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(changed_fields(a, b, f"{prefix}{key}."))
+        elif a != b and not (isinstance(a, list) and isinstance(b, tuple) and list(b) == a):
+            out[f"{prefix}{key}"] = (a, b)
+    return out
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -78,7 +117,7 @@ def new_checkpoint(root: Path, step: int, keep: int) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+def consolidated_state_dict(engine) -> dict:
     """Full weights on rank 0 (None elsewhere). Collective: call on every rank."""
     import torch.distributed as dist
 
@@ -89,12 +128,14 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
 
 
-def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype: torch.dtype) -> None:
+def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype) -> None:
     """Write an HF model folder (config, sharded safetensors, tokenizer) atomically.
 
     Collective: every rank calls it; rank 0 writes.
     """
     import torch.distributed as dist
+
+    from elasticrl.weights.shards import save_sharded
 
     state = consolidated_state_dict(engine)
     if dist.get_rank() == 0:

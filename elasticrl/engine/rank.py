@@ -7,12 +7,15 @@ The Ray worker classes of each trainer hold one and add their own step functions
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from elasticrl import backend
 from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
+from elasticrl.engine import state
 from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed
 from elasticrl.models import load_tokenizer, torch_dtype
 from elasticrl.models.load import load_causal_lm, load_value_model
@@ -23,7 +26,9 @@ from elasticrl.spec.schema import TrainSpec
 class TrainRank:
     def __init__(self, spec: JobSpec, train: TrainSpec, model_path: str, rank: int, world_size: int, addr: str,
                  port: int, total_steps: int, *, lr: float | None = None, kind: str = "causal",
-                 init_dist: bool = True):
+                 init_dist: bool = True, resume: str | None = None):
+        """``resume``: a checkpoint folder of this role (``save``'s): the model starts from its
+        weights and the optimizer, schedule and counters continue from its state."""
         self.spec, self.train, self.rank = spec, train, rank
         if init_dist:
             init_distributed(rank, world_size, addr, port, train.comm_timeout_s)
@@ -37,10 +42,15 @@ class TrainRank:
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * dp_size)
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
-        model = load(model_path, spec.model.trust_remote_code, cfg)
+        model = load(resume or model_path, spec.model.trust_remote_code, cfg)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr)
+        if resume:
+            state.load_engine(self.engine, resume)
+            rng = Path(resume) / f"rng_rank{rank}.safetensors"
+            if rng.is_file() and state.saved_world_size(resume) == world_size:  # else the seeded start stays
+                backend.set_rng_state(load_file(str(rng)))
         self.dp_rank, self.dp_size = data_parallel_info(train.tp_size)
         self.is_dp_leader = train.tp_size == 1 or self._tp_rank() == 0
         self.sender = None
@@ -85,10 +95,16 @@ class TrainRank:
 
     # --- persistence --------------------------------------------------------------------
     def save(self, folder: str) -> None:
-        ckpt.save_engine_state(self.engine, folder, self.rank)
+        """This role's state into ``folder`` (which exists): a Hugging Face folder of the fp32
+        master weights plus optimizer moments, counters and each rank's RNG. Collective."""
+        import torch.distributed as dist
 
-    def load(self, folder: str) -> None:
-        ckpt.load_engine_state(self.engine, folder, self.rank)
+        state.save_engine(self.engine, folder, self.spec.export.max_shard_size_mb * 2**20)
+        if dist.get_rank() == 0:
+            self.engine.module.config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+        save_file(backend.rng_state(), str(Path(folder) / f"rng_rank{self.rank}.safetensors"))
+        dist.barrier()
 
     def export(self, folder: str) -> None:
         ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,

@@ -9,5 +9,14 @@ from elasticrl.spec.schema import JobSpec
 
 
 def run_job(spec: JobSpec, output: Path) -> dict:
+    """Run the job into ``output``; a job that finished there already is not run again (its
+    summary comes back), one that stopped resumes from its newest checkpoint."""
+    from elasticrl.trainers.loop import finished_run, mark_finished
+
+    done = finished_run(spec, output)
+    if done is not None:
+        return done
     module, _, name = ALGORITHMS[spec.algorithm].trainer.partition(":")
-    return getattr(importlib.import_module(module), name)(spec, output)
+    summary = getattr(importlib.import_module(module), name)(spec, output)
+    mark_finished(spec, output, summary)
+    return summary

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from elasticrl.engine import checkpoint as ckpt
-from elasticrl.engine.checkpoint import list_checkpoints, read_trainer_state
-from elasticrl.files import write_text
+from elasticrl.engine.checkpoint import list_checkpoints
+from elasticrl.files import disk_problem, write_text
 from elasticrl.spec import JobSpec, dump_spec
 
 
@@ -51,19 +51,55 @@ def prepare_output(spec: JobSpec, output: Path) -> Path:
     return output
 
 
+FINISHED = "finished.json"
+
+
+def mark_finished(spec: JobSpec, output: Path, summary: dict) -> None:
+    """``OUTPUT/finished.json``: the run ended; its spec and summary."""
+    from elasticrl.spec import spec_to_dict
+
+    write_text(output / FINISHED, json.dumps({"spec": spec_to_dict(spec), "summary": summary}, default=str, indent=1))
+
+
+def finished_run(spec: JobSpec, output: Path) -> dict | None:
+    """The summary of the run that finished in ``output`` with this spec (rerunning it does
+    nothing), or None: no finished run there, ``checkpoint.resume`` is not 'auto', or the spec
+    asks for more steps and a checkpoint lets the run continue."""
+    path = output / FINISHED
+    if spec.checkpoint.resume != "auto" or not path.is_file():
+        return None
+    from elasticrl.spec import spec_to_dict
+
+    done = json.loads(path.read_text())
+    changed = ckpt.changed_fields(done["spec"], spec_to_dict(spec))
+    if not changed or all(k.startswith(("eval.", "log.", "export.", "ray.")) for k in changed):
+        print(f"{output}: this job finished there already; nothing to do (use another --output, or "
+              "checkpoint.resume: null to run it again from the start)", file=sys.stderr, flush=True)
+        return {**done["summary"], "already_finished": True}
+    if not list_checkpoints(output / "checkpoints"):
+        raise ValueError(f"checkpoint.resume: {output} holds a finished run of another spec ({', '.join(changed)} "
+                         "changed) and no checkpoint to continue from; use another --output, or checkpoint.resume: "
+                         "null to start over there")
+    return None  # more steps: find_resume continues from the newest checkpoint (and checks the spec)
+
+
 def find_resume(spec: JobSpec, output: Path) -> Path | None:
-    """The checkpoint to resume from, per ``checkpoint.resume``."""
+    """The checkpoint to resume from, per ``checkpoint.resume``, checked before anything runs
+    (``engine.checkpoint.check_resumable``). Call it before ``prepare_output``."""
     choice = spec.checkpoint.resume
     if choice is None:
         return None
     if choice == "auto":
         found = list_checkpoints(output / "checkpoints")
-        return found[-1][1] if found else None
-    path = Path(choice)
-    try:
-        read_trainer_state(path)
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint.resume: {path} is not a checkpoint folder (no trainer_state.json)") from None
+        if not found:
+            return None
+        path = found[-1][1]
+    else:
+        path = Path(choice)
+        if not (path / ckpt.STATE_FILE).is_file():
+            raise ValueError(f"checkpoint.resume: {path} is not a checkpoint folder (no {ckpt.STATE_FILE})")
+    state = ckpt.check_resumable(path, spec)
+    print(f"{ckpt.RESUMING} {path.name} (step {state['step']})", file=sys.stderr, flush=True)
     return path
 
 
@@ -90,25 +126,45 @@ class Progress:
         self.bar.close()
 
 
-def save_checkpoint(group, spec: JobSpec, output: Path, step: int) -> None:
-    with ckpt.new_checkpoint(output / "checkpoints", step, spec.checkpoint.keep) as tmp:
-        group.call("save", str(tmp))
-        ckpt.write_trainer_state(tmp, {"step": step, "samples_seen": step * spec.train.global_batch_size,
-                                       "num_ranks": spec.train.num_ranks})
+def save_checkpoint(groups: dict, spec: JobSpec, output: Path, step: int, state: dict | None = None) -> None:
+    """A checkpoint of step ``step``: each trained role's group (role -> RoleGroup) saves into
+    its folder, and ``state`` (what the trainer carries between steps, its data position: the
+    global index of the next sample; for the trainers on a fixed dataset step x batch) joins the
+    step in trainer_state.json."""
+    state = state or {"samples_seen": step * spec.train.global_batch_size}
+    root = output / "checkpoints"
+    try:
+        with ckpt.new_checkpoint(root, step, spec.checkpoint.keep) as tmp:
+            for role, group in groups.items():
+                (tmp / role).mkdir()
+                group.call("save", str(tmp / role))
+            ckpt.write_trainer_state(tmp, spec, {"step": step, **state})
+    except Exception as exc:
+        problem = disk_problem(exc)
+        if problem is None:
+            raise
+        found = list_checkpoints(root)
+        kept = f"; the newest checkpoint, {found[-1][1]}, is intact" if found else ""
+        fewer = " or keep fewer checkpoints (checkpoint.keep)" if "space" in problem[1] else ""
+        raise RuntimeError(f"checkpoint: cannot write step {step} into {root}: {problem[0]}; {problem[1]}"
+                           f"{fewer}{kept}") from exc
 
 
-def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str) -> dict:
-    """The driver of the trainers on a fixed dataset (rm, dpo, kto): evaluate the start, then
-    step, log, evaluate every ``eval.every_steps`` and at the end, checkpoint, export.
+def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str,
+                 start: int | None = None) -> dict:
+    """The driver of the trainers on a fixed dataset (rm, prm, dpo, kto): evaluate the start,
+    then step, log, evaluate every ``eval.every_steps`` and at the end, checkpoint, export.
     ``step_row(results of the data-parallel leaders)`` makes a step's metrics; ``show`` names
-    the eval figure on the progress bar."""
-    metrics = MetricsLog(output / "metrics.jsonl", resume_step=None)
-    progress = Progress(total, 0, spec.log.progress_bar, desc=spec.algorithm)
-    summary = {"initial": evaluate()}
-    metrics.write({"step": 0, **summary["initial"]})
+    the eval figure on the progress bar; ``start``: the step a resumed run continues after."""
+    metrics = MetricsLog(output / "metrics.jsonl", resume_step=start)
+    progress = Progress(total, start or 0, spec.log.progress_bar, desc=spec.algorithm)
+    summary: dict = {}
+    if not start:
+        summary["initial"] = evaluate()
+        metrics.write({"step": 0, **summary["initial"]})
     every = spec.eval.every_steps
     row: dict = {}
-    for step in range(total):
+    for step in range(start or 0, total):
         t0 = time.time()
         res = [r for r in group.call("train_step", step) if r["leader"]]
         done = step + 1
@@ -118,7 +174,7 @@ def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evalu
             row.update(evaluate())
         if done % spec.log.every_steps == 0 or evaluated:
             metrics.write(row)
-        if spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0:
-            save_checkpoint(group, spec, output, done)
+        if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == total):
+            save_checkpoint({"actor": group}, spec, output, done)
         progress.update(loss=row["loss"], **({show: row[f"eval/{show}"]} if evaluated else {}))
     return finish_run(group, spec, output, summary, row, progress, metrics)

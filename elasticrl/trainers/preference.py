@@ -32,7 +32,8 @@ from elasticrl.models.scoring import response_logps
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.trainers.warm_start import initial_model
-from elasticrl.trainers.loop import num_steps, offline_loop, prepare_output
+from elasticrl.engine.checkpoint import read_trainer_state
+from elasticrl.trainers.loop import find_resume, num_steps, offline_loop, prepare_output
 from elasticrl.world import world_paths
 
 
@@ -48,9 +49,10 @@ class PreferenceWorker:
         self.spec = load_spec(spec)
         self.paths = paths
 
-    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
+        """``resume``: the trained copy continues from a checkpoint; the reference stays the start."""
         s, d = self.spec, self.spec.data
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps)
+        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, resume=resume)
         self.tok = self.core.tokenizer
         pair_keys = (d.prompt_key, d.chosen_key, d.rejected_key)
         if s.algorithm == "kto" and self.paths["train_kind"] == "unpaired":
@@ -195,7 +197,6 @@ class PreferenceWorker:
         return out
 
     def save(self, folder): self.core.save(folder)
-    def load(self, folder): self.core.load(folder)
     def export(self, folder): self.core.export(folder)
 
 
@@ -210,6 +211,7 @@ def resolve_preference_paths(spec: JobSpec) -> dict[str, str]:
 
 
 def run_preference(spec: JobSpec, output: Path) -> dict:
+    resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     t = spec.train
     with ray_session(spec.ray, cpus_needed(spec)):
@@ -218,7 +220,7 @@ def run_preference(spec: JobSpec, output: Path) -> dict:
         try:
             records = _count_records(spec, paths)
             total = num_steps(t.max_steps, t.num_epochs, records, t.global_batch_size)
-            group.setup(total)
+            group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
             if spec.preference.reference == "precomputed":
                 drawn = total * t.global_batch_size  # only the pairs the run will draw
                 keys = list(range(records)) if drawn >= records else \
@@ -226,7 +228,7 @@ def run_preference(spec: JobSpec, output: Path) -> dict:
                 shares = group.call("reference_share", keys, spec.eval.num_prompts)
                 table = {split: {k: v for share in shares for k, v in share[split].items()} for split in ("train", "eval")}
                 group.call("use_reference_table", ray.put(table))
-            summary = _train(spec, group, output, total)
+            summary = _train(spec, group, output, total, read_trainer_state(resume_dir)["step"] if resume_dir else None)
         finally:
             group.shutdown()
     return summary
@@ -251,7 +253,7 @@ def _evaluate(group, spec) -> dict:
     return row
 
 
-def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int) -> dict:
+def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int, start: int | None) -> dict:
     def step_row(res):
         rows = sum(r["rows"] for r in res)
         row = {"loss": sum(r["loss_sum"] for r in res), "lr": res[0]["lr"]}
@@ -264,4 +266,4 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int) -> dict:
         return {**row, "reward/chosen": chosen, "reward/rejected": rejected, "reward/margin": chosen - rejected,
                 "reward/accuracy": sum(r["correct"] for r in res) / rows}
 
-    return offline_loop(spec, group, output, total, step_row, lambda: _evaluate(group, spec), "margin")
+    return offline_loop(spec, group, output, total, step_row, lambda: _evaluate(group, spec), "margin", start)

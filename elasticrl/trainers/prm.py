@@ -94,9 +94,10 @@ def step_metrics(solutions: list[tuple[str, list[float], list[float]]]) -> dict:
 
 
 class PRMWorker(RMWorker):
-    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         s = self.spec
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value")
+        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value",
+                              resume=resume)
         self.marker = marker_id(self.core.tokenizer, s.data.step_marker)
         self.examples = read_step_records(self.paths["train"], s)
         self.eval_examples = read_step_records(self.paths["eval"], s)

@@ -42,7 +42,7 @@ from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, advantage_of
 from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
-from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, prepare_output
+from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, prepare_output, save_checkpoint
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
 from elasticrl.world import world_paths
@@ -76,8 +76,10 @@ def critic_train(spec: JobSpec) -> dict:
 class Roles:
     """Every role of the job, placed by ``cluster.Placement`` (``placement.colocate``)."""
 
-    def __init__(self, spec: JobSpec, paths: dict[str, str], total_updates: int):
+    def __init__(self, spec: JobSpec, paths: dict[str, str], total_updates: int, resume_dir: Path | None = None):
+        """``resume_dir``: a checkpoint the actor and the critic continue from."""
         d = spec_to_dict(spec)
+        resume = (lambda role: str(resume_dir / role) if resume_dir else None)  # noqa: E731
         self.placement = p = Placement(spec)
         idle = spec.placement.offload_idle
         if idle and not backend.has_gpu():
@@ -86,7 +88,7 @@ class Roles:
         self.actor = self._add(p.group("actor", ActorWorker, d, paths["model"]))
         if spec.rl.ptx_coef > 0:
             self.actor.call("set_ptx_data", paths["sft"])
-        self.actor.setup(total_updates)
+        self.actor.setup(total_updates, resume=resume("actor"))
         self.reference = None
         if "reference" in p.roles:
             self.reference = self._add(p.group("reference", FrozenWorker, d, paths["model"], "reference", idle))
@@ -95,7 +97,7 @@ class Roles:
         if "critic" in p.roles:
             init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else paths["model"])
             self.critic = self._add(p.group("critic", CriticWorker, d, init, critic_train(spec), spec.critic.lr))
-            self.critic.setup(total_updates)
+            self.critic.setup(total_updates, resume=resume("critic"))
         self.rewards = []
         for i, m in enumerate(spec.rewards.models):
             g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
@@ -130,7 +132,7 @@ class Roles:
 class Run:
     """What the steps of an RL run share and carry from one to the next."""
 
-    spec: JobSpec
+    spec: JobSpec                                    # the job's (with a trained reward model filled in)
     roles: Roles
     rewards: RewardSources
     tokenizer: object
@@ -139,12 +141,14 @@ class Run:
     evals: list[dict]
     eval_ids: list[list[int]]
     output: Path
+    asked: JobSpec | None = None                     # the spec as the user gave it, which checkpoints record
     metrics: MetricsLog | None = None
     progress: Progress | None = None
     moments: RunningMoments = field(default_factory=RunningMoments)
     version: int = 0                                 # weight version in the engines
     pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    checkpoints: list = field(default_factory=list)  # (seconds, bytes) of each checkpoint written
 
 
 @dataclass
@@ -170,9 +174,10 @@ def _timed(s: Step, phase: str):
 
 
 def run_rl(spec: JobSpec, output: Path) -> dict:
+    resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     rewards = RewardSources(spec)
-    resume_dir = find_resume(spec, output)
+    asked = spec
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
     with ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
@@ -186,13 +191,13 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         rl = spec.rl
         total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
             // spec.train.global_batch_size
-        roles = Roles(spec, paths, total_updates)
+        roles = Roles(spec, paths, total_updates, resume_dir)
         summary["placement"] = roles.layout()
         try:
             tok = load_tokenizer(paths["model"], spec.model.trust_remote_code)
             evals_used = evals[: spec.eval.num_prompts or None]
             run = Run(spec, roles, rewards, tok, prompts, [_encode(spec, tok, r) for r in prompts], evals,
-                      [_encode(spec, tok, r) for r in evals_used], output)
+                      [_encode(spec, tok, r) for r in evals_used], output, asked)
             summary.update(_train_run(run, resume_dir))
         finally:
             roles.shutdown()
@@ -230,17 +235,19 @@ def _train_run(run: Run, resume_dir: Path | None) -> dict:
     total = sum(run.totals.values()) or 1.0
     summary["time_share"] = {k: round(v / total, 3) for k, v in run.totals.items()}
     summary["final"] = {k: v for k, v in row.items() if not k.startswith("time/")}
+    if run.checkpoints:
+        seconds, sizes = zip(*run.checkpoints)
+        summary["checkpoints"] = {"count": len(sizes), "seconds_mean": round(sum(seconds) / len(seconds), 3),
+                                  "mbytes": round(sizes[-1] / 1e6, 1)}
     return summary
 
 
 def _resume(run: Run, folder: Path) -> int:
-    """Trainer state from a checkpoint; returns the step to continue from."""
+    """What the driver carries between steps, from a checkpoint (the actor and the critic
+    started from it already); returns the step to continue from."""
     state = ckpt.read_trainer_state(folder)
     run.version = state["version"]
     run.moments.mean, run.moments.var, run.moments.count = state["reward_moments"]
-    run.roles.actor.call("load", str(folder / "actor"))
-    if run.roles.critic:
-        run.roles.critic.call("load", str(folder / "critic"))
     return state["step"]
 
 
@@ -257,7 +264,10 @@ def rollout(run: Run, step: int) -> Step:
         s.generated = sum(len(r["token_ids"]) for r in s.results)
         depth = rl.max_staleness if rl.async_rollout else 0
         while len(run.pending) < depth and step + 1 + len(run.pending) < rl.num_steps:
-            _submit(run, step + 1 + len(run.pending))  # on the current weights
+            ahead = step + 1 + len(run.pending)
+            if any(_checkpoint_after(run.spec, t) for t in range(step, ahead)):
+                break  # nothing is in flight at a checkpoint: a resumed run rolls out as this one does
+            _submit(run, ahead)  # on the current weights
     return s
 
 
@@ -415,21 +425,25 @@ def report(run: Run, s: Step) -> dict:
         row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals))
     if done % spec.log.every_steps == 0 or "eval/accuracy" in row or last or done == 1:
         run.metrics.write(row)
-    if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or last):
+    if _checkpoint_after(spec, s.step):
         _save(run, done)
     run.progress.update(reward=row.get("reward/mean", 0.0),
                         **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
     return row
 
 
+def _checkpoint_after(spec: JobSpec, step: int) -> bool:
+    """Whether a checkpoint is written when step ``step`` (0-based) is done."""
+    every, done = spec.checkpoint.every_steps, step + 1
+    return bool(every) and (done % every == 0 or done == spec.rl.num_steps)
+
+
 def _save(run: Run, step: int) -> None:
-    roles = run.roles
-    with ckpt.new_checkpoint(run.output / "checkpoints", step, run.spec.checkpoint.keep) as tmp:
-        (tmp / "actor").mkdir()
-        roles.actor.call("save", str(tmp / "actor"))
-        if roles.critic:
-            (tmp / "critic").mkdir()
-            roles.critic.call("save", str(tmp / "critic"))
-        m = run.moments
-        ckpt.write_trainer_state(tmp, {"step": step, "version": run.version,
-                                       "reward_moments": [m.mean, m.var, m.count]})
+    roles, m = run.roles, run.moments
+    groups = {"actor": roles.actor, **({"critic": roles.critic} if roles.critic else {})}
+    t0 = time.time()
+    save_checkpoint(groups, run.asked, run.output, step, {
+        "prompts_seen": step * run.spec.rl.prompts_per_step, "version": run.version,
+        "reward_moments": [m.mean, m.var, m.count]})
+    folder = run.output / "checkpoints" / f"step_{step:07d}"
+    run.checkpoints.append((time.time() - t0, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())))

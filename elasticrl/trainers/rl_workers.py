@@ -54,9 +54,9 @@ class _TrainedRole:
             spec, [f"train.{k}={v}" for k, v in train_overrides.items()]).train
         self.lr = lr
 
-    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         self.core = TrainRank(self.spec, self.train, self.model_path, rank, world_size, addr, port, total_steps,
-                              lr=self.lr, kind=self.kind)
+                              lr=self.lr, kind=self.kind, resume=resume)
         self.rank = rank
         return {"dtype": self.core.dtype}
 
@@ -73,7 +73,6 @@ class _TrainedRole:
         return self.core.my_rows(n), (torch.cat(out) if out else None)
 
     def save(self, folder): self.core.save(folder)
-    def load(self, folder): self.core.load(folder)
     def export(self, folder): self.core.export(folder)
     def attach_rollout(self, *args): return self.core.attach_rollout(*args)
     def sync_weights(self, version): return self.core.sync_weights(version)
@@ -83,8 +82,8 @@ class _TrainedRole:
 class ActorWorker(_TrainedRole):
     """The policy: log-probs for experience, the PPO-family update, weights to the engines."""
 
-    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
-        out = super().setup(rank, world_size, addr, port, total_steps)
+    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
+        out = super().setup(rank, world_size, addr, port, total_steps, resume)
         rl = self.spec.rl
         if rl.ptx_coef > 0:
             self.ptx_records = read_jsonl(self.ptx_path, ("prompt", "response"))

@@ -25,7 +25,8 @@ from elasticrl.models.load import token_values
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.trainers.warm_start import initial_model
-from elasticrl.trainers.loop import num_steps, offline_loop, prepare_output
+from elasticrl.engine.checkpoint import read_trainer_state
+from elasticrl.trainers.loop import find_resume, num_steps, offline_loop, prepare_output
 from elasticrl.world import world_paths
 
 
@@ -34,9 +35,10 @@ class RMWorker:
         self.spec = load_spec(spec)
         self.paths = paths
 
-    def setup(self, rank, world_size, addr, port, total_steps) -> dict:
+    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         s = self.spec
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value")
+        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value",
+                              resume=resume)
         self.pairs = read_jsonl(self.paths["train"], pair_keys(s))
         self.eval_pairs = read_jsonl(self.paths["eval"], pair_keys(s))
         return {"dtype": self.core.dtype}
@@ -87,7 +89,6 @@ class RMWorker:
         return {"correct": correct, "margin_sum": margin, "total": len(mine), "leader": self.core.is_dp_leader}
 
     def save(self, folder): self.core.save(folder)
-    def load(self, folder): self.core.load(folder)
     def export(self, folder): self.core.export(folder)
 
 
@@ -101,6 +102,7 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
     ``datasets`` names the world's train and eval files used when data.train/eval are null,
     ``read(path)`` reads and checks one (here first, so bad data fails before any worker starts);
     ``evaluate(group, spec)`` makes the eval figures, ``show`` the one on the progress bar."""
+    resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     t = spec.train
     summary: dict = {}
@@ -112,8 +114,10 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
         read(paths["eval"])
         group = Placement(spec).group("actor", worker, spec_to_dict(spec), paths, name="reward_model")
         try:
-            group.setup(total)
-            summary.update(offline_loop(spec, group, output, total, step_row, lambda: evaluate(group, spec), show))
+            group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
+            start = read_trainer_state(resume_dir)["step"] if resume_dir else None
+            summary.update(offline_loop(spec, group, output, total, step_row, lambda: evaluate(group, spec), show,
+                                        start))
         finally:
             group.shutdown()
     return summary

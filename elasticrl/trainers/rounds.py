@@ -9,7 +9,10 @@ prompts with the current weights, the reward functions (or remote endpoints) sco
     iterative DPO, the reference stays the round-0 model).
 The trainer then takes ``rounds.steps_per_round`` optimizer steps on that round's data, and
 its weights are synced into vLLM before the next round. Each round's data is written to
-OUTPUT/rounds/N.jsonl (atomically) and metrics to metrics.jsonl, one row per round.
+OUTPUT/rounds/N.jsonl (atomically) and metrics to metrics.jsonl, one row per round. A
+checkpoint is written after each round that completes a multiple of checkpoint.every_steps
+optimizer steps (and after the last); a resumed job redoes the rounds after it with the same
+seeds on the same weights.
 
 Run it:
   CPU:          elasticrl run examples/tiny_rejection_sampling.yaml --output runs/rs
@@ -28,7 +31,8 @@ from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool, evaluate_answers, sampling_params
 from elasticrl.spec import JobSpec, spec_to_dict
-from elasticrl.trainers.loop import MetricsLog, Progress, finish_run, prepare_output
+from elasticrl.engine.checkpoint import read_trainer_state
+from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, prepare_output, save_checkpoint
 from elasticrl.trainers.preference import PreferenceWorker
 from elasticrl.trainers.sft import SFTWorker
 from elasticrl.trainers.warm_start import initial_model
@@ -52,6 +56,8 @@ def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]], rew
 
 
 def run_rounds(spec: JobSpec, output: Path) -> dict:
+    resume_dir = find_resume(spec, output)
+    state = read_trainer_state(resume_dir) if resume_dir else {"round": 0, "version": 0}
     output = prepare_output(spec, output)
     r = spec.rounds
     rewards = RewardSources(spec)
@@ -70,12 +76,14 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
         group = placement.group("actor", worker, spec_to_dict(spec), paths, name="trainer")
         pool = None
         try:
-            group.setup(total)
+            group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
             pool = RolloutPool(model, spec.rollout, spec.model.dtype, spec.seed, spec.model.trust_remote_code,
                                where=placement.options("rollout"))
             group.call("attach_rollout", pool.engines, pool.infos, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                        str(output / "weights"))
-            summary = _loop(spec, group, pool, rewards, prompts, evals, model, output)
+            if state["version"]:  # resumed: the engines start from the checkpoint's weights
+                group.call("sync_weights", state["version"])
+            summary = _loop(spec, group, pool, rewards, prompts, evals, model, output, state)
         finally:
             if pool is not None:
                 pool.shutdown()
@@ -83,7 +91,8 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
     return summary
 
 
-def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
+def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict) -> dict:
+    """Rounds from ``state['round']`` (0, or where a checkpoint left off) to the last."""
     r, rl, d = spec.rounds, spec.rl, spec.data
     tok = load_tokenizer(model, spec.model.trust_remote_code)
 
@@ -91,12 +100,15 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
         return tok(format_prompt(tok, text, d.apply_chat_template), add_special_tokens=False)["input_ids"]
 
     eval_ids = [encode(e[d.prompt_key]) for e in evals[: spec.eval.num_prompts or None]]
-    metrics = MetricsLog(output / "metrics.jsonl", resume_step=None)
-    summary = {"initial": {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals)}}
-    metrics.write(summary["initial"])
-    progress = Progress(r.num_rounds, 0, spec.log.progress_bar, desc=spec.algorithm)
+    start, version = state["round"], state["version"]
+    metrics = MetricsLog(output / "metrics.jsonl", resume_step=start * r.steps_per_round if start else None)
+    summary: dict = {}
+    if not start:
+        summary["initial"] = {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals)}
+        metrics.write(summary["initial"])
+    progress = Progress(r.num_rounds, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
-    for rnd in range(r.num_rounds):
+    for rnd in range(start, r.num_rounds):
         t0 = time.time()
         idx = sample_indices(len(prompts), spec.seed, rnd * r.prompts_per_round, r.prompts_per_round)
         batch = [prompts[i] for i in idx]
@@ -122,9 +134,14 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output) -> dict:
             for s in range(r.steps_per_round):
                 losses.append(_train_step(group, rnd * r.steps_per_round + s))
             row.update({"loss": sum(losses) / len(losses), "time/train": time.time() - t1})
-            row.update(group.call("sync_weights", rnd + 1)[0])
+            version = rnd + 1
+            row.update(group.call("sync_weights", version)[0])
         row.update(evaluate_answers(spec, pool, eval_ids, evals))
         metrics.write(row)
+        every, steps = spec.checkpoint.every_steps, r.steps_per_round
+        if every and ((rnd + 1) * steps // every > rnd * steps // every or rnd + 1 == r.num_rounds):
+            save_checkpoint({"actor": group}, spec, output, (rnd + 1) * steps, {
+                "prompts_seen": (rnd + 1) * r.prompts_per_round, "round": rnd + 1, "version": version})
         progress.update(records=len(records), acc=row["eval/accuracy"])
     return finish_run(group, spec, output, summary, row, progress, metrics)
 

@@ -35,9 +35,10 @@ class SFTWorker:
         self.spec = load_spec(spec)
         self.paths = paths
 
-    def setup(self, rank: int, world_size: int, addr: str, port: int, total_steps: int) -> dict:
+    def setup(self, rank: int, world_size: int, addr: str, port: int, total_steps: int,
+              resume: str | None = None) -> dict:
         s = self.spec
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps)
+        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, resume=resume)
         self.engine, self.tokenizer, self.rank = self.core.engine, self.core.tokenizer, rank
         self.records = read_jsonl(self.paths["train"], (s.data.prompt_key, s.data.response_key))
         self.eval_records = read_jsonl(self.paths["eval"], (s.data.prompt_key, s.data.answer_key))
@@ -92,9 +93,6 @@ class SFTWorker:
     def save(self, folder: str) -> None:
         self.core.save(folder)
 
-    def load(self, folder: str) -> None:
-        self.core.load(folder)
-
     def export(self, folder: str) -> None:
         self.core.export(folder)
 
@@ -109,21 +107,19 @@ def resolve_paths(spec: JobSpec) -> dict[str, str]:
 
 
 def run_sft(spec: JobSpec, output: Path) -> dict:
+    resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     paths = resolve_paths(spec)
     num_records = len(read_jsonl(paths["train"], (spec.data.prompt_key, spec.data.response_key)))
     read_jsonl(paths["eval"], (spec.data.prompt_key, spec.data.answer_key))  # fail before Ray starts
     t = spec.train
     total = num_steps(t.max_steps, t.num_epochs, num_records, t.global_batch_size)
-    resume_dir = find_resume(spec, output)
     start = ckpt.read_trainer_state(resume_dir)["step"] if resume_dir else 0
     summary: dict = {"steps": total, "resumed_from": start if resume_dir else None}
     with ray_session(spec.ray, cpus_needed(spec)):
         group = Placement(spec).group("actor", SFTWorker, spec_to_dict(spec), paths, name="trainer")
         try:
-            summary["dtype"] = group.setup(total)[0]["dtype"]
-            if resume_dir:
-                group.call("load", str(resume_dir))
+            summary["dtype"] = group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)[0]["dtype"]
             summary.update(_train(spec, group, output, start, total))
         finally:
             group.shutdown()
@@ -160,6 +156,6 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int
         if done % spec.log.every_steps == 0 or "eval/accuracy" in row or done == total or done == 1:
             metrics.write(row)
         if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == total):
-            save_checkpoint(group, spec, output, done)
+            save_checkpoint({"actor": group}, spec, output, done)
         progress.update(loss=row["loss"], **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
     return finish_run(group, spec, output, summary, row, progress, metrics)

@@ -101,6 +101,70 @@ def test_local_cwd_launch_runs_the_tiny_grpo_job(tmp_path):
     assert set(_leftovers(tmp_path)) <= before
 
 
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below ``pid``, from /proc."""
+    parent, cmd = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier}
+        out += [(p, cmd[p]) for p in frontier]
+    return out
+
+
+RESTARTED = SHORT[1:] + ["rl.num_steps=6", "checkpoint.every_steps=2", "eval.every_steps=3"]
+
+
+def _launch_and_kill_the_head(args: list[str], tmp_path, heads, env=None) -> tuple[str, float]:
+    """Run ``elasticrl ARGS`` until OUTPUT has its step-2 checkpoint, SIGKILL the head node's
+    process (``heads(launch_pid)`` finds it), wait for the end: (its output, the kill's time)."""
+    import signal
+    import time
+
+    out = Path(args[args.index("--output") + 1])
+    proc = subprocess.Popen([sys.executable, "-m", "elasticrl.cli", *args], cwd=tmp_path, text=True,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 600
+        while not (out / "checkpoints" / "step_0000002").is_dir():
+            assert proc.poll() is None and time.time() < deadline, "the job never reached step 2"
+            time.sleep(0.5)
+        found = heads(proc.pid)
+        assert len(found) == 1, found
+        killed = time.time()
+        os.kill(found[0], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(7))  # once each, none lost
+    return output, killed
+
+
+@pytest.mark.slow
+def test_local_cwd_launch_restarts_a_job_whose_head_died_and_it_resumes(tmp_path):
+    """L0: the head node's process is SIGKILLed mid-run; its Ray goes with it, the other nodes
+    give up, the app fails, `launch --max-restarts 1` submits it again and the job resumes from
+    its newest checkpoint: every step's metrics exactly once."""
+    import time
+
+    args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(tmp_path / "run"), "--max-restarts",
+            "1", "--lost-s", "10", *_sets(RESTARTED)]
+    output, killed = _launch_and_kill_the_head(
+        args, tmp_path, lambda pid: [p for p, cmd in _descendants(pid) if "launch.node head" in cmd])
+    resumed = int(re.search(r"restart 1 of 1, resuming from step (\d+)", output).group(1))
+    assert resumed >= 2
+    print(f"resumed from step {resumed}; {time.time() - killed:.0f} s from the kill to the end")
+
+
 @pytest.mark.slow
 def test_a_failing_job_ends_the_whole_app_non_zero(tmp_path):
     # a reward function that does not import: the driver fails after every node joined
@@ -177,3 +241,24 @@ def test_slurm_cancel_from_another_shell_stops_every_node(tmp_path, slurm):
         time.sleep(3)
     time.sleep(15)  # scancel's SIGTERM reached the nodes: each stops the Ray it started
     assert set(_leftovers(tmp_path)) <= before
+
+
+@pytest.mark.slow
+def test_slurm_requeues_a_job_whose_head_died_and_it_resumes(tmp_path, slurm):
+    """L0 on Slurm: the head node's process is SIGKILLed mid-run; the job fails, Slurm requeues
+    it (TorchX's retries), the job resumes from its newest checkpoint, and `elasticrl status`
+    tells the restart."""
+    import time
+
+    def heads(_launch_pid):  # the head runs under slurmd, not under launch: found by its command
+        return [p for p, cmd in _descendants(1)  # the Python process itself, not srun's or the script's line
+                if cmd.startswith(sys.executable + " -m launch.node head") and str(tmp_path) in cmd]
+
+    args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--output", str(tmp_path / "run"),
+            "--max-restarts", "1", "--lost-s", "10", *_sets(RESTARTED)]
+    output, killed = _launch_and_kill_the_head(args, tmp_path, heads, env=slurm)
+    handle = re.search(r"app handle: (slurm://\S+)", output).group(1)
+    status = _run(["status", handle], tmp_path, timeout=120, env=slurm)
+    told = status.stdout + status.stderr
+    assert "SUCCEEDED" in status.stdout and "restarted 1 time(s), resumed from step " in status.stdout, told
+    print(f"{time.time() - killed:.0f} s from the kill to the end")

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from elasticrl import backend
 from elasticrl.data.records import read_jsonl, sample_indices
 from elasticrl.spec import load_spec
 from elasticrl.trainers.conditional import run_conditional
@@ -30,10 +31,11 @@ BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "chec
         "train.max_steps=12", "train.lr=2e-4", "eval.every_steps=0", "eval.num_prompts=64", "eval.max_new_tokens=6"]
 
 
-# Single-digit operands, as for the reward models below: all 100 held-out pairs, learned within
+# Single-digit operands, as for the reward models below: all 152 held-out pairs, learned within
 # CI's minutes. On the default world 12 steps moved the held-out margin by chance only (seeds 1
-# and 3: 0.006 and -0.024); here 24 steps gave margins 0.13-0.28 and pairwise accuracy
-# 0.65-0.76 under 4 seeds for every variant (README, Development).
+# and 3: 0.006 and -0.024); here, under 4 seeds in fp32 and one in bf16, every variant ended
+# with a margin of 0.10-0.28, log pi(chosen) - log pi(rejected) up by 1.0-2.8, and pairwise
+# accuracy 0.645-0.763 (KTO, which never contrasts a pair, 0.572-0.717) (README, Development).
 PREFERENCE = ["world.max_operand=9", "eval.num_prompts=0", "train.max_steps=24"]
 
 
@@ -51,10 +53,12 @@ def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, v
     first, last = rows[0], rows[-1]
     steps = spec.train.max_steps
     assert first["step"] == 0 and last["step"] == steps
-    # at step 0 the policy is the reference: the implicit reward margin is exactly 0
-    assert first["eval/margin"] == pytest.approx(0.0, abs=1e-5)
-    # the pairs' implicit rewards now favour the right answer (at step 0 no pair is > 0)
-    assert last["eval/margin"] > 0.05 and last["eval/pairwise_accuracy"] > 0.55, last
+    # at step 0 the policy is the reference: the implicit reward margin is 0 (in bf16 the policy's
+    # engine and the reference's plain module round differently: -4.4e-5 was seen)
+    exact = backend.resolve_dtype(spec.model.dtype) == "fp32"
+    assert first["eval/margin"] == pytest.approx(0.0, abs=1e-5 if exact else 1e-3)
+    # the pairs' implicit rewards now favour the right answer
+    assert last["eval/margin"] > 0.05 and last["eval/pairwise_accuracy"] > (0.5 if spec.algorithm == "kto" else 0.55), last
     # the policy's own preference for the right answer grew
     assert last["eval/logp_margin"] > first["eval/logp_margin"] + 0.5, (first, last)
     assert summary["final"]["step"] == steps and (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -3,7 +3,8 @@ resume, export. Tiny model, fp32, a few steps each."""
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import subprocess
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from elasticrl.data.records import pad_batch
 from elasticrl.spec import load_spec, spec_to_dict
 from elasticrl.trainers.sft import SFTWorker, resolve_paths, run_sft
 from elasticrl.weights.shards import load_sharded
+from tests.conftest import stopped_at
 
 pytestmark = pytest.mark.slow
 
@@ -91,24 +93,142 @@ def test_export_equals_gathered_weights_and_reloads_with_identical_logits(ray_cl
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(ray_cluster, tmp_path):
-    extra = ["train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep=3"]
-    straight = tmp_path / "straight"
-    run_sft(_spec(*extra), straight)
-    ckpts = sorted(p.name for p in (straight / "checkpoints").iterdir())
-    assert ckpts == ["step_0000004", "step_0000008"]
+RESUME = ["train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep=3"]
 
-    # A run that stopped after step 4: its output holds the step-4 checkpoint and metrics.
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
-    lines = (straight / "metrics.jsonl").read_text().splitlines()
-    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")  # steps beyond 4 must be dropped
-    summary = run_sft(_spec(*extra, "checkpoint.resume=auto"), resumed)
+
+@pytest.fixture(scope="module")
+def straight(ray_cluster, tmp_path_factory):
+    """8 steps of SFT on 2 ranks, ZeRO-2, checkpointed at 4 and 8."""
+    out = tmp_path_factory.mktemp("sft") / "straight"
+    run_sft(_spec(*RESUME), out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]
+    return out
+
+
+@pytest.mark.parametrize("layout, tol", [([], 0), (["train.num_ranks=1", "train.zero_stage=3"], 1e-6),
+                                         (["train.tp_size=2", "train.zero_stage=1", "train.micro_batch_size=16"], 2e-5)],
+                         ids=["same", "1-rank-zero3", "autotp2"])
+def test_resume_continues_exactly_like_an_uninterrupted_run(straight, tmp_path, layout, tol):
+    resumed = stopped_at(straight, 4, tmp_path / "resumed")
+    summary = run_sft(_spec(*RESUME, *layout, "checkpoint.resume=auto"), resumed)
     assert summary["resumed_from"] == 4
     a, b = _losses(straight), _losses(resumed)
     assert sorted(b) == list(range(1, 9))
+    # the same layout repeats the arithmetic: bit-identical; one rank sums the micro-batches'
+    # losses in another order (seen: equal, and 4e-6 on a 240-token sum elsewhere); AutoTP
+    # splits each matmul's sum over two ranks (2e-5 is the ZeRO-vs-AutoTP bar above)
     for step in range(5, 9):
-        assert b[step] == pytest.approx(a[step], abs=1e-6), step
+        assert b[step] == pytest.approx(a[step], abs=tol), step
     steps = [json.loads(ln)["step"] for ln in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and len(steps) == len(set(steps))
+
+
+def _whole(worker) -> dict:
+    from elasticrl.engine.state import full_state
+
+    weights, moments = full_state(worker.core.engine)
+    return {**weights, **moments}
+
+
+def _saved(folder) -> dict:
+    return {**load_sharded(folder), **load_sharded(folder / "optimizer")}
+
+
+def _loaded(spec, folder) -> dict:
+    group = RoleGroup("trainer", SFTWorker, spec.train.num_ranks, spec_to_dict(spec), resolve_paths(spec))
+    try:
+        group.setup(8, resume=str(folder))
+        return group.call("__ray_call__", _whole)[0]
+    finally:
+        group.shutdown()
+
+
+TP2 = ["train.tp_size=2", "train.zero_stage=1", "train.micro_batch_size=16"]
+
+
+@pytest.mark.parametrize("layout", [["train.num_ranks=1", "train.zero_stage=3"], ["train.zero_stage=3"],
+                                    ["train.num_ranks=1", "train.zero_stage=2"], TP2],
+                         ids=["1-rank-zero3", "2-ranks-zero3", "1-rank-zero2", "autotp2"])
+def test_a_checkpoint_loads_bit_exact_at_another_world_size_and_stage(straight, layout):
+    """Saved by 2 ranks with ZeRO-2, loaded by another layout: every fp32 master weight and
+    Adam moment equals the saved one exactly (the checkpoint is whole tensors, not partitions)."""
+    folder = straight / "checkpoints" / "step_0000004" / "actor"
+    saved = _saved(folder)
+    loaded = _loaded(_spec(*RESUME, *layout), folder)
+    assert loaded.keys() == saved.keys() and len(saved) == 3 * 30
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []
+
+
+def test_an_autotp_checkpoint_holds_whole_tensors_and_loads_bit_exact_without_tp(ray_cluster, tmp_path):
+    """Saved by 2 AutoTP ranks (each holds half of every projection): the checkpoint holds the
+    model's full shapes, and one rank without TP loads exactly what was saved."""
+    out = tmp_path / "tp"
+    run_sft(_spec("train.max_steps=4", "checkpoint.every_steps=4", *TP2), out)
+    folder = out / "checkpoints" / "step_0000004" / "actor"
+    saved = _saved(folder)
+    shapes = {k: v.shape for k, v in load_file(f"{resolve_paths(_spec())['model']}/model.safetensors").items()}
+    assert {k: v.shape for k, v in load_sharded(folder).items()} == shapes
+    assert all(saved[f"exp_avg.{k}"].shape == shape for k, shape in shapes.items())
+    loaded = _loaded(_spec(*RESUME, "train.num_ranks=1"), folder)
+    assert loaded.keys() == saved.keys()
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []
+
+
+def test_resume_refuses_a_checkpoint_holding_a_pickle_without_running_it(straight, tmp_path):
+    """A crafted file beside the weights: resuming stops with one line naming it, and the
+    payload (which would create a file when unpickled) never runs."""
+    import pickle
+
+    resumed = stopped_at(straight, 4, tmp_path / "resumed")
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (resumed / "checkpoints" / "step_0000004" / "actor" / "optimizer_states.pt").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match=r"optimizer_states.pt is not a file elasticrl writes .*a pickle could run"):
+        run_sft(_spec(*RESUME, "checkpoint.resume=auto"), resumed)
+    assert not marker.exists()
+    assert len((resumed / "metrics.jsonl").read_text().splitlines()) == len(
+        (straight / "metrics.jsonl").read_text().splitlines())  # nothing was touched
+
+
+def test_rerunning_a_finished_job_keeps_its_output(ray_cluster, tmp_path):
+    from elasticrl.trainers import run_job
+
+    out = tmp_path / "run"
+    first = run_job(_spec("train.max_steps=2", "checkpoint.resume=auto"), out)
+    metrics = (out / "metrics.jsonl").read_text()
+    again = run_job(_spec("train.max_steps=2", "checkpoint.resume=auto", "eval.every_steps=1"), out)
+    assert again["already_finished"] and again["final"] == first["final"]
+    assert (out / "metrics.jsonl").read_text() == metrics
+    # more steps, but no checkpoint to continue from: refused, nothing deleted
+    with pytest.raises(ValueError, match=r"holds a finished run of another spec \(train.max_steps changed\) and no "
+                                         r"checkpoint to continue from"):
+        run_job(_spec("train.max_steps=3", "checkpoint.resume=auto"), out)
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_full_disk_fails_the_checkpoint_in_one_line_and_keeps_the_previous_one(ray_cluster, tmp_path):
+    """The output on a 40 MB file system: the step-4 checkpoint (26 MB) fits, step 8's does
+    not. The run stops with one line naming the folder and the cause, no temp folder is left,
+    and step 4 still resumes."""
+    from elasticrl.engine.checkpoint import check_resumable
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("a small file system to fill needs root and mount")
+    try:
+        spec = _spec("train.max_steps=8", "checkpoint.every_steps=4")
+        with pytest.raises(RuntimeError) as failed:
+            run_sft(spec, disk / "run")
+        root = disk / "run" / "checkpoints"
+        assert str(failed.value) == (f"checkpoint: cannot write step 8 into {root}: No space left on device; free "
+                                     "space there or keep fewer checkpoints (checkpoint.keep); the newest checkpoint, "
+                                     f"{root / 'step_0000004'}, is intact")
+        assert [p.name for p in root.iterdir()] == ["step_0000004"]
+        assert check_resumable(root / "step_0000004", spec)["step"] == 4
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a killed rank may still hold a file
