@@ -184,6 +184,22 @@ def cancel(handle: str = typer.Argument(..., help="The app handle printed by ela
     typer.echo(f"{handle}: cancel requested")
 
 
+@app.command()
+def scale(
+    output: Path = typer.Argument(..., help="The --output folder of a running job (elasticrl run or launch)."),
+    engines: int = typer.Option(..., "--engines", help="Rollout engines the job should have."),
+):
+    """Grow or shrink a running job's rollout engines; it applies at the next step boundary
+    (new engines serve once started and synced; see rollout/engines in metrics.jsonl)."""
+    from elasticrl.trainers.loop import ask_engines
+
+    try:
+        ask_engines(output, engines)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    typer.echo(f"{output}: asked for {engines} rollout engine(s); the job applies it at its next step")
+
+
 @app.command("plan")
 def plan_cmd(
     spec: Path = typer.Argument(..., help="Job spec (YAML)."),

@@ -94,16 +94,27 @@ def slurm_restarts(job_id: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _resumed(handle: str) -> str | None:
-    """What the head's log says the running attempt resumed from ('step 4'), if it did."""
+def _told(handle: str, restarts: int | None) -> str:
+    """What the head's log tells of the job's failures: the restart and the step it resumed
+    from, rollout engines lost, trainer recoveries ('' when nothing)."""
     from elasticrl.engine.checkpoint import RESUMING
 
     try:
-        said = [ln for ln in log_lines(handle) if RESUMING in ln]
+        lines = list(log_lines(handle))
     except Exception:  # no log (yet) or one the scheduler cannot read back: say nothing
-        return None
-    m = re.search(r"\((step \d+)\)", said[-1]) if said else None
-    return f"resumed from {m.group(1)}" if m else None
+        return ""
+    out = ""
+    if restarts:
+        said = [ln for ln in lines if RESUMING in ln]
+        m = re.search(r"\((step \d+)\)", said[-1]) if said else None
+        out += f"; restarted {restarts} time(s)" + (f", resumed from {m.group(1)}" if m else "")
+    engines = sum(bool(re.search(r"rollout engine \d+ (died|stopped answering)", ln)) for ln in lines)
+    trainers = sum("; recovered in " in ln for ln in lines)
+    if engines:
+        out += f"; {engines} rollout engine(s) lost"
+    if trainers:
+        out += f"; trainer re-formed {trainers} time(s)"
+    return out
 
 
 def describe_app(app) -> str:
@@ -160,9 +171,8 @@ def status(handle: str) -> tuple[str, str]:
                       for r in st.roles)
     scheduler, _, app_id = _split(handle)
     restarts = slurm_restarts(app_id) if scheduler == "slurm" else None
-    if restarts:
-        resumed = _resumed(handle)
-        roles += f"; restarted {restarts} time(s)" + (f", {resumed}" if resumed else "")
+    if scheduler == "slurm":
+        roles += _told(handle, restarts)
     return str(st.state).split(".")[-1], roles
 
 

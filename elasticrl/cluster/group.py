@@ -7,6 +7,7 @@ a dead rank otherwise leaves its peers blocked in a collective until the timeout
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -23,7 +24,16 @@ def pool_resource(pool: str | None) -> dict:
 
 
 class RoleError(RuntimeError):
-    """A rank of a role failed; the message names the role, the rank and the cause."""
+    """A rank of a role failed; the message names the role, the rank and the cause.
+    ``role`` and ``ranks`` say which (None when the failure is not one rank's), ``lost``
+    whether its process is gone or hung (the driver may re-form the role) rather than a
+    Python error in it (which would repeat)."""
+
+    def __init__(self, message: str, role: str | None = None, ranks: list[int] | None = None, lost: bool = False,
+                 what: str | None = None):
+        super().__init__(message)
+        self.role, self.ranks, self.lost = role, ranks, lost
+        self.what = what or message.splitlines()[0]  # in a few words, for a console line
 
 
 def _free_address(_self) -> tuple[str, int]:
@@ -33,14 +43,31 @@ def _free_address(_self) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+def _dead_among(refs: list, wait_s: float = 5.0):
+    """(ref, error) of a call in ``refs`` whose actor died, within ``wait_s``; else None."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            return ref, exc
+        except Exception:
+            continue
+    return None
+
+
 class RoleGroup:
     def __init__(self, role: str, actor_cls, num_ranks: int, *args, gpus_per_rank: float = 1.0,
                  cpus_per_rank: float = 1.0, place_timeout_s: float = 300, actor_options: dict | None = None,
-                 shared=None, pool: str | None = None, **kwargs):
+                 shared=None, pool: str | None = None, watchdog: tuple[float, float] | None = None, **kwargs):
         """``shared``: a ``placement.SharedBundles`` when this role is colocated with others;
-        ``pool``: the node pool (``elasticrl launch``) whose nodes must host the ranks."""
+        ``pool``: the node pool (``elasticrl launch``) whose nodes must host the ranks;
+        ``watchdog``: (factor, seconds): a call that takes longer than factor x the longest
+        call of its method so far + seconds is a hang (``fault.hang_factor``, ``min_deadline_s``)."""
         self.role = role
         self.num_ranks = num_ranks
+        self.watchdog = watchdog
+        self._longest: dict[str, float] = {}  # method -> the longest call of it so far, seconds
         self.owns_pg = shared is None
         if shared is not None:
             self.pg = shared.pg
@@ -60,14 +87,20 @@ class RoleGroup:
                                 f"{place_timeout_s:.0f}s; the cluster offers {ray.available_resources()}. "
                                 "Lower the rank count or add nodes.")
         remote_cls = ray.remote(actor_cls)
-        self.actors = [
-            remote_cls.options(
+        self._extra: list = []  # placement groups of ranks added while the job runs (``add``)
+
+        def start(i: int, pg=None):  # rank i's actor on bundle i (``replace`` starts it again there)
+            return remote_cls.options(
                 **backend.worker_resources(gpus_per_rank, cpus_per_rank),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg or self.pg, placement_group_bundle_index=0 if pg else i),
                 **(actor_options or {}),
             ).remote(*args, **kwargs)
-            for i in range(num_ranks)
-        ]
+
+        self._start = start
+        self._bundle = None if shared is not None else {**backend.bundle(gpus_per_rank, cpus_per_rank),
+                                                         **pool_resource(pool)}
+        self.actors = [start(i) for i in range(num_ranks)]
 
     def setup(self, *args, **kwargs) -> list:
         """Form the role's process group: each rank's ``setup(rank, world, addr, port, ...)``."""
@@ -77,28 +110,71 @@ class RoleGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run ``method`` on every rank with the same arguments; results in rank order."""
-        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method=method)
 
     def call_rank(self, rank: int, method: str, *args, **kwargs) -> Any:
-        return self._get([getattr(self.actors[rank], method).remote(*args, **kwargs)], ranks=[rank])[0]
+        return self._get([getattr(self.actors[rank], method).remote(*args, **kwargs)], ranks=[rank],
+                         method=method)[0]
 
-    def _get(self, refs: list, ranks: list[int] | None = None) -> list:
+    def _get(self, refs: list, ranks: list[int] | None = None, method: str | None = None) -> list:
         ranks = ranks or list(range(len(refs)))
         rank_of = {ref: r for ref, r in zip(refs, ranks)}
-        pending = list(refs)
+        pending, t0 = list(refs), time.time()
+        limit = None
+        if self.watchdog and method in self._longest:
+            limit = self.watchdog[0] * self._longest[method] + self.watchdog[1]
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            left = None if limit is None else max(0.0, t0 + limit - time.time())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:  # past the deadline: a rank is stopped, or waits on one that is
+                hung = sorted(rank_of[r] for r in pending)
+                raise RoleError(f"{self.role} rank(s) {', '.join(map(str, hung))} stopped answering: no reply to "
+                                f"{method} in {limit:.0f} s (its longest call so far took "
+                                f"{self._longest[method]:.1f} s)", self.role, hung, lost=True,
+                                what=f"{self.role} rank(s) {', '.join(map(str, hung))} stopped answering "
+                                     f"({method}: no reply in {limit:.0f} s)")
             try:
                 ray.get(done[0])
             except Exception as exc:  # the first failure ends the call; peers would hang
+                if not isinstance(exc, ray.exceptions.RayActorError) and pending:
+                    # a collective fails on the peers of a rank that died: blame the dead rank
+                    dead = _dead_among(pending)
+                    if dead is not None:
+                        done, exc = [dead[0]], dead[1]
                 cause = getattr(exc, "cause", None) or exc
-                raise RoleError(f"{self.role} rank {rank_of[done[0]]} failed: "
-                                f"{type(cause).__name__}: {cause}") from exc
+                lost = isinstance(exc, ray.exceptions.RayActorError)
+                raise RoleError(f"{self.role} rank {rank_of[done[0]]} failed: {type(cause).__name__}: {cause}",
+                                self.role, [rank_of[done[0]]], lost=lost,
+                                what=f"{self.role} rank {rank_of[done[0]]} died ({type(cause).__name__})" if lost
+                                else None) from exc
+        if method is not None:
+            self._longest[method] = max(self._longest.get(method, 0.0), time.time() - t0)
         return ray.get(refs)
+
+    def replace(self, rank: int):
+        """Kill rank ``rank``'s actor (if it still runs) and start a new one on its bundle, with
+        the same arguments; returns it at once (it is ready when a call on it answers)."""
+        ray.kill(self.actors[rank], no_restart=True)
+        pg = next((g for r, g in self._extra if r == rank), None)
+        self.actors[rank] = self._start(rank, pg)
+        return self.actors[rank]
+
+    def add(self) -> int:
+        """One more rank, on a placement group of its own (it starts when the cluster has
+        room for it); returns its rank. Not for colocated roles, whose bundles are shared."""
+        if self._bundle is None:
+            raise RoleError(f"{self.role}: a colocated role cannot grow (its ranks share the other roles' devices)")
+        rank = len(self.actors)
+        pg = placement_group([self._bundle], name=f"elasticrl-{self.role}-{uuid.uuid4().hex[:8]}")
+        self._extra.append((rank, pg))
+        self.actors.append(self._start(rank, pg))
+        return rank
 
     def shutdown(self) -> None:
         for a in self.actors:
             ray.kill(a, no_restart=True)
         if self.owns_pg:
             remove_placement_group(self.pg)
+        for _, pg in self._extra:
+            remove_placement_group(pg)
 

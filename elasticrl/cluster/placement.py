@@ -47,6 +47,7 @@ class Placement:
 
     def __init__(self, spec):
         self.roles = job_roles(spec)
+        self.watchdog = (spec.fault.hang_factor, spec.fault.min_deadline_s)
         self.shared: dict[str, SharedBundles] = {}
         self._bundles: list[SharedBundles] = []
         for group in colocated(spec):
@@ -66,8 +67,10 @@ class Placement:
         return {"gpus_per_rank": r.gpus, "cpus_per_rank": r.cpus, "pool": r.pool}
 
     def group(self, role: str, actor_cls, *args, name: str | None = None, **kwargs) -> RoleGroup:
-        """The ``RoleGroup`` of ``role``'s ranks (``name``: what errors call it, default the role)."""
-        return RoleGroup(name or role, actor_cls, self.roles[role].ranks, *args, **self.options(role), **kwargs)
+        """The ``RoleGroup`` of ``role``'s ranks (``name``: what errors call it, default the role),
+        its calls watched for hangs (``fault``)."""
+        return RoleGroup(name or role, actor_cls, self.roles[role].ranks, *args, **self.options(role),
+                         watchdog=self.watchdog, **kwargs)
 
     def remove(self) -> None:
         for bundles in self._bundles:

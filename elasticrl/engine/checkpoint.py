@@ -35,7 +35,8 @@ MAY_CHANGE = ("train.max_steps", "train.num_epochs", "rl.num_steps", "rounds.num
               "train.tp_size", "train.zero_stage", "train.offload_optimizer", "train.offload_params",
               "train.comm_timeout_s", "critic.num_ranks", "model.gradient_checkpointing", "rollout.num_engines",
               "rollout.tp_size", "rollout.cpus_per_engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization",
-              "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep")
+              "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep", "rollout.max_restarts",
+              "rollout.hang_factor", "fault.")
 
 
 def write_trainer_state(folder: Path, spec, state: dict) -> None:

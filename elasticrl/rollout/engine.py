@@ -199,8 +199,10 @@ class SyncGate:
                 self._cond.notify_all()
 
     def begin(self) -> None:
+        """Hold generation for a sync (again, when a sync that failed on another engine left
+        this one holding: syncs come from one sender, one at a time)."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._busy and not self._syncing)
+            self._cond.wait_for(lambda: not self._busy)
             self._syncing = True
 
     def finish(self, version: int) -> None:

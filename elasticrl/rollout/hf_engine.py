@@ -70,7 +70,8 @@ class HFRolloutEngine:
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)  # n rows per prompt
         kwargs = dict(do_sample=temperature > 0, max_new_tokens=sampling.get("max_tokens", 16), pad_token_id=pad,
                       return_dict_in_generate=True, output_scores=True,
-                      eos_token_id=None if sampling.get("ignore_eos") else eos)
+                      eos_token_id=None if sampling.get("ignore_eos") else eos,
+                      min_new_tokens=sampling.get("min_tokens", 0))
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=sampling.get("top_p", 1.0), top_k=sampling.get("top_k", 0))
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)

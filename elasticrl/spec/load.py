@@ -280,6 +280,9 @@ def _check_rl(spec: JobSpec) -> None:
                                             "engines to sleep then; use one or the other")
     if rl.temperature <= 0:
         raise SpecError("rl.temperature", f"RL learns from sampled rollouts: expected a number > 0, got {rl.temperature}")
+    if rl.min_tokens > rl.max_new_tokens:
+        raise SpecError("rl.min_tokens", f"{rl.min_tokens} is more than rl.max_new_tokens ({rl.max_new_tokens}); "
+                                         "lower it or raise rl.max_new_tokens")
     name = advantage_of(spec.algorithm, rl.advantage)
     estimator = ADVANTAGE_ESTIMATORS[name]
     if estimator.critic and not ALGORITHMS[spec.algorithm].critic:

@@ -121,6 +121,11 @@ class RolloutSpec:
         "parameters, 'shm_staged' goes through staging buffers, 'broadcast' is a collective per "
         "bucket, 'files' sharded safetensors; 'auto' picks shm on one CPU node, else broadcast.", "auto")
     bucket_mb: int = doc("Bytes per weight-sync bucket, in MiB (one collective or load per bucket).", 64, min=1)
+    max_restarts: int = doc("Engines the job may start again after one died or hung (elasticity L2: its "
+                            "prompts go to the live engines, a replacement joins at a step boundary).", 3, min=0)
+    hang_factor: float = doc("An engine that takes longer on its prompts than this many times (1 s + the time "
+                             "the generation rate measured so far gives them at max tokens each) is taken for "
+                             "hung and replaced.", 8.0, min=1)
 
 
 @dataclass
@@ -139,6 +144,9 @@ class RLSpec:
         "after temperature, top_k and top_p).", 1.0, min=0)
     top_p: float = doc("Nucleus sampling of rollouts.", 1.0, min=0, max=1, exclusive_min=True)
     top_k: int = doc("Top-k sampling of rollouts; 0 disables.", 0, min=0)
+    min_tokens: int = doc("Shortest completion, in tokens (no end-of-sequence before).", 0, min=0)
+    ignore_eos: bool = doc("Generate max_new_tokens tokens whatever the model says (benchmarks, fault tests).",
+                           False)
     num_steps: int = doc("RL steps (rollout + update) to run.", 100, min=1)
     epochs: int = doc("Passes over each rollout batch (PPO epochs).", 1, min=1)
     clip_low: float = doc("PPO ratio clip below 1 (1 - clip_low).", 0.2, min=0)
@@ -301,6 +309,18 @@ class CheckpointSpec:
 
 
 @dataclass
+class FaultSpec:
+    """Trainer recovery in the job (elasticity L3) and the watchdog on every role's calls."""
+
+    max_restarts: int = doc("Times the trained roles (actor, critic) may be re-formed after a rank died or hung; "
+                            "they resume from the newest checkpoint (checkpoint.every_steps) or the start.", 3, min=0)
+    hang_factor: float = doc("A call on a role that takes this many times longer than the longest of its kind "
+                             "so far, plus fault.min_deadline_s, is taken for a hang.", 5.0, min=1)
+    min_deadline_s: float = doc("Seconds added to every watchdog deadline (scheduling noise).", 10.0, min=0,
+                                exclusive_min=True)
+
+
+@dataclass
 class ExportSpec:
     enabled: bool = doc("Write the final model as a Hugging Face folder (OUTPUT/final).", True)
     max_shard_size_mb: int = doc("Largest safetensors shard, in MB.", 2000, min=1)
@@ -335,5 +355,6 @@ class JobSpec:
     eval: EvalSpec = doc("Held-out evaluation.", factory=EvalSpec)
     log: LogSpec = doc("Metrics and console output.", factory=LogSpec)
     checkpoint: CheckpointSpec = doc("Resumable checkpoints.", factory=CheckpointSpec)
+    fault: FaultSpec = doc("Surviving failures while running.", factory=FaultSpec)
     export: ExportSpec = doc("Final Hugging Face export.", factory=ExportSpec)
     ray: RaySpec = doc("Where the job's Ray runs.", factory=RaySpec)

@@ -54,6 +54,32 @@ def prepare_output(spec: JobSpec, output: Path) -> Path:
 FINISHED = "finished.json"
 
 
+SCALE = "scale.json"  # OUTPUT/scale.json: what `elasticrl scale` asks of the running job
+
+
+def ask_engines(output: Path, engines: int) -> Path:
+    """Ask the job running into ``output`` for ``engines`` rollout engines (it reads the
+    request at its next step boundary)."""
+    if engines < 1:
+        raise ValueError(f"--engines: a job needs at least 1 rollout engine, got {engines}")
+    if not (output / "spec.yaml").is_file():
+        raise ValueError(f"{output}: no job runs there (no spec.yaml); give the --output of a running job")
+    if (output / FINISHED).is_file():
+        raise ValueError(f"{output}: that job has finished; scaling applies to a running job")
+    return write_text(output / SCALE, json.dumps({"engines": engines, "asked_at": time.time()}))
+
+
+def asked_engines(output: Path, seen: float) -> tuple[int | None, float]:
+    """(engines asked since ``seen``, the request's time) or (None, seen)."""
+    try:
+        asked = json.loads((output / SCALE).read_text())
+    except (OSError, ValueError):
+        return None, seen
+    if asked.get("asked_at", 0) <= seen:
+        return None, seen
+    return int(asked["engines"]), asked["asked_at"]
+
+
 def mark_finished(spec: JobSpec, output: Path, summary: dict) -> None:
     """``OUTPUT/finished.json``: the run ended; its spec and summary."""
     from elasticrl.spec import spec_to_dict

@@ -117,6 +117,9 @@ class PreferenceWorker:
     def sync_weights(self, version: int) -> dict:
         return self.core.sync_weights(version)
 
+    def detach_rollout(self) -> None:
+        self.core.detach_rollout()
+
     def use_reference_table(self, table: dict) -> None:
         self.table = table
         self.ref = None  # the frozen copy is no longer needed

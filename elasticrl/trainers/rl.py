@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,9 +32,10 @@ from elasticrl import backend
 from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, varying_groups
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import RunningMoments, masked_whiten
-from elasticrl.cluster import Placement, RoleGroup, ray_session
+from elasticrl.cluster import Placement, RoleError, RoleGroup, ray_session
 from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
 from elasticrl.engine import checkpoint as ckpt
+from elasticrl.engine.checkpoint import list_checkpoints
 from elasticrl.models import load_tokenizer
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
@@ -42,7 +44,8 @@ from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, advantage_of
 from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
-from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, prepare_output, save_checkpoint
+from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, find_resume, finish_run, prepare_output,
+                                     save_checkpoint)
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
 from elasticrl.world import world_paths
@@ -79,25 +82,18 @@ class Roles:
     def __init__(self, spec: JobSpec, paths: dict[str, str], total_updates: int, resume_dir: Path | None = None):
         """``resume_dir``: a checkpoint the actor and the critic continue from."""
         d = spec_to_dict(spec)
-        resume = (lambda role: str(resume_dir / role) if resume_dir else None)  # noqa: E731
+        self.spec, self.dict, self.paths, self.total_updates = spec, d, paths, total_updates
         self.placement = p = Placement(spec)
         idle = spec.placement.offload_idle
         if idle and not backend.has_gpu():
             log.warning("placement.offload_idle: ignored without GPUs (frozen models stay in host memory anyway)")
         self.groups: list[RoleGroup] = []
-        self.actor = self._add(p.group("actor", ActorWorker, d, paths["model"]))
-        if spec.rl.ptx_coef > 0:
-            self.actor.call("set_ptx_data", paths["sft"])
-        self.actor.setup(total_updates, resume=resume("actor"))
+        self.actor = self.critic = None
+        self.form_trained(resume_dir)
         self.reference = None
         if "reference" in p.roles:
             self.reference = self._add(p.group("reference", FrozenWorker, d, paths["model"], "reference", idle))
             self.reference.setup()
-        self.critic = None
-        if "critic" in p.roles:
-            init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else paths["model"])
-            self.critic = self._add(p.group("critic", CriticWorker, d, init, critic_train(spec), spec.critic.lr))
-            self.critic.setup(total_updates, resume=resume("critic"))
         self.rewards = []
         for i, m in enumerate(spec.rewards.models):
             g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
@@ -106,6 +102,25 @@ class Roles:
         self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
                                 spec.model.trust_remote_code, where=p.options("rollout"))
         self.groups.append(self.pool.group)
+
+    def form_trained(self, resume_dir: Path | None) -> None:
+        """The trained roles, the actor and (ppo) the critic, from ``resume_dir``'s checkpoint or
+        the start model; called again after one of their ranks was lost, which tears the old
+        groups down first (the engines, the reference and the rewards stay up)."""
+        spec, d, p = self.spec, self.dict, self.placement
+        for g in (self.actor, self.critic):
+            if g is not None:
+                self.groups.remove(g)
+                g.shutdown()
+        resume = (lambda role: str(resume_dir / role) if resume_dir else None)  # noqa: E731
+        self.actor = self._add(p.group("actor", ActorWorker, d, self.paths["model"]))
+        if spec.rl.ptx_coef > 0:
+            self.actor.call("set_ptx_data", self.paths["sft"])
+        self.actor.setup(self.total_updates, resume=resume("actor"))
+        if "critic" in p.roles:
+            init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else self.paths["model"])
+            self.critic = self._add(p.group("critic", CriticWorker, d, init, critic_train(spec), spec.critic.lr))
+            self.critic.setup(self.total_updates, resume=resume("critic"))
 
     def layout(self) -> dict[str, str]:
         """Role -> id of the placement group it runs on (colocated roles share one)."""
@@ -149,6 +164,11 @@ class Run:
     pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     checkpoints: list = field(default_factory=list)  # (seconds, bytes) of each checkpoint written
+    saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
+    restarts: int = 0                                # times the trained roles were re-formed (L3)
+    recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
+    scale_seen: float = field(default_factory=time.time)  # the last `elasticrl scale` request applied
+    seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
 
 
 @dataclass
@@ -212,29 +232,36 @@ def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
 def _train_run(run: Run, resume_dir: Path | None) -> dict:
     spec, roles = run.spec, run.roles
     start = _resume(run, resume_dir) if resume_dir else 0
-    roles.actor.call("attach_rollout", roles.pool.engines, roles.pool.infos, spec.rollout.weight_sync,
-                     spec.rollout.bucket_mb, str(run.output / "weights"))
+    transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
+                                  str(run.output / "weights"))
     if resume_dir:
-        roles.actor.call("sync_weights", run.version)
+        roles.pool.sync(run.version)
     run.metrics = MetricsLog(run.output / "metrics.jsonl", resume_step=start if resume_dir else None)
-    summary: dict = {"transport": roles.actor.call_rank(0, "__ray_call__", lambda w: w.core.sender.transport)}
+    summary: dict = {"transport": transport}
     if start == 0 and spec.eval.every_steps:
         summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals)}
         run.metrics.write(summary["initial"])
     run.progress = Progress(spec.rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
-    for step in range(start, spec.rl.num_steps):
-        s = rollout(run, step)
-        experience(run, s)
-        with engines_asleep(run, s):  # the hybrid engine: vLLM sleeps while the trainers train
-            train(run, s)
-        sync(run, s)
-        row = report(run, s)
-    roles.actor.call("detach_rollout")
+    step = start
+    while step < spec.rl.num_steps:
+        try:
+            s = rollout(run, step)
+            experience(run, s)
+            with engines_asleep(run, s):  # the hybrid engine: vLLM sleeps while the trainers train
+                train(run, s)
+            sync(run, s)
+            row = report(run, s)
+            step += 1
+        except RoleError as exc:
+            step = recover(run, exc, step)
+    roles.pool.detach()
     summary = finish_run(roles.actor, spec, run.output, summary, row, run.progress, run.metrics)
     total = sum(run.totals.values()) or 1.0
     summary["time_share"] = {k: round(v / total, 3) for k, v in run.totals.items()}
     summary["final"] = {k: v for k, v in row.items() if not k.startswith("time/")}
+    if run.recoveries:
+        summary["recoveries"] = run.recoveries
     if run.checkpoints:
         seconds, sizes = zip(*run.checkpoints)
         summary["checkpoints"] = {"count": len(sizes), "seconds_mean": round(sum(seconds) / len(seconds), 3),
@@ -251,11 +278,48 @@ def _resume(run: Run, folder: Path) -> int:
     return state["step"]
 
 
+def recover(run: Run, exc: RoleError, step: int) -> int:
+    """Elasticity L3: a rank of the actor or the critic died or hung during step ``step``
+    (0-based). Re-form both from the newest checkpoint (the start model without one), bring
+    the driver's state and the metrics back to it, sync its weights into the engines, and
+    return the step to continue from; the steps redone repeat (same data, same seeds). Any
+    other failure, or one past ``fault.max_restarts``, ends the run as before."""
+    spec, roles = run.spec, run.roles
+    if not exc.lost or exc.role not in ("actor", "critic") or run.restarts >= spec.fault.max_restarts:
+        raise exc
+    t0 = time.time()
+    run.restarts += 1
+    run.pending.clear()  # rolled out ahead on weights the restored roles never had
+    found = list_checkpoints(run.output / "checkpoints")
+    folder = found[-1][1] if found else None
+    roles.form_trained(folder)
+    if folder is None:
+        run.version, run.moments, start = 0, RunningMoments(), 0
+    else:
+        start = _resume(run, folder)
+    run.metrics.close()
+    run.metrics = MetricsLog(run.output / "metrics.jsonl", resume_step=start)
+    roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(run.output / "weights"))
+    roles.pool.sync(run.version)
+    run.seconds_lost += time.time() - run.saved_at
+    run.saved_at = time.time()
+    run.recoveries.append({"what": exc.what, "step": step + 1, "from_step": start, "ranks": roles.actor.num_ranks,
+                           "seconds": round(time.time() - t0, 1), "recovered_at": time.time()})
+    print(f"{exc.what} at step {step + 1}; recovered in {time.time() - t0:.1f} s from step {start} on "
+          f"{roles.actor.num_ranks} rank(s) ({run.restarts} of fault.max_restarts {spec.fault.max_restarts})",
+          file=sys.stderr, flush=True)
+    return start
+
+
 # --- the phases -------------------------------------------------------------------------
 def rollout(run: Run, step: int) -> Step:
     """This step's completions: rolled out now, or ahead on older weights (async)."""
     rl = run.spec.rl
     s = Step(step, [], [])
+    run.roles.pool.step = step + 1  # as the console counts steps
+    engines, run.scale_seen = asked_engines(run.output, run.scale_seen)  # `elasticrl scale`
+    if engines is not None:
+        run.roles.pool.scale_to(engines)
     with _timed(s, "rollout"):
         if not run.pending:
             _submit(run, step)
@@ -410,7 +474,7 @@ def sync(run: Run, s: Step) -> None:
     """The new weights into every engine, as the next version."""
     with _timed(s, "sync"):
         run.version += 1
-        s.sync = run.roles.actor.call("sync_weights", run.version)[0]
+        s.sync = run.roles.pool.sync(run.version)
 
 
 def report(run: Run, s: Step) -> dict:
@@ -418,7 +482,9 @@ def report(run: Run, s: Step) -> dict:
     spec, done = run.spec, s.step + 1
     for phase, seconds in s.seconds.items():
         run.totals[phase] += seconds
-    row = {"step": done, **s.info, **s.stats, **s.sync, **{f"time/{k}": s.seconds[k] for k in PHASES},
+    row = {"step": done, **s.info, **s.stats, **s.sync, **run.roles.pool.stats(),
+           "fault/trainer_restarts": run.restarts, "fault/seconds_lost": run.seconds_lost,
+           **{f"time/{k}": s.seconds[k] for k in PHASES},
            "time/step": sum(s.seconds.values()), "rollout/tokens_per_s": s.generated / max(s.seconds["rollout"], 1e-9)}
     last = done == spec.rl.num_steps
     if (spec.eval.every_steps and done % spec.eval.every_steps == 0) or last:
@@ -447,3 +513,4 @@ def _save(run: Run, step: int) -> None:
         "reward_moments": [m.mean, m.var, m.count]})
     folder = run.output / "checkpoints" / f"step_{step:07d}"
     run.checkpoints.append((time.time() - t0, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())))
+    run.saved_at = time.time()

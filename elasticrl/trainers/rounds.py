@@ -79,10 +79,9 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
             group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
             pool = RolloutPool(model, spec.rollout, spec.model.dtype, spec.seed, spec.model.trust_remote_code,
                                where=placement.options("rollout"))
-            group.call("attach_rollout", pool.engines, pool.infos, spec.rollout.weight_sync, spec.rollout.bucket_mb,
-                       str(output / "weights"))
+            pool.attach(group, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(output / "weights"))
             if state["version"]:  # resumed: the engines start from the checkpoint's weights
-                group.call("sync_weights", state["version"])
+                pool.sync(state["version"])
             summary = _loop(spec, group, pool, rewards, prompts, evals, model, output, state)
         finally:
             if pool is not None:
@@ -135,7 +134,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
                 losses.append(_train_step(group, rnd * r.steps_per_round + s))
             row.update({"loss": sum(losses) / len(losses), "time/train": time.time() - t1})
             version = rnd + 1
-            row.update(group.call("sync_weights", version)[0])
+            row.update(pool.sync(version))
         row.update(evaluate_answers(spec, pool, eval_ids, evals))
         metrics.write(row)
         every, steps = spec.checkpoint.every_steps, r.steps_per_round

@@ -215,16 +215,26 @@ class WeightSender:
 
     def _release_buffers(self) -> None:
         for path, _ in self._buffers:
-            ray.get([e.release_shm.remote(path) for e in self.engines])
+            _on_live(e.release_shm.remote(path) for e in self.engines)
             shm.release(path)
         self._buffers = []
 
     def close(self) -> None:
+        """Release what the engines hold of this sender; an engine that died has nothing left."""
         self._release_targets()
         self._release_buffers()
         if self._group is not None:
-            ray.get([e.leave_group.remote() for e in self.engines])
+            _on_live(e.leave_group.remote() for e in self.engines)
             self._group = None
+
+
+def _on_live(refs) -> None:
+    """Wait for calls on engines, of which some may have died (the pool replaces those)."""
+    for ref in list(refs):
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            pass
 
 
 class _Counted:

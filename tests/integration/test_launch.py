@@ -244,11 +244,18 @@ def test_slurm_cancel_from_another_shell_stops_every_node(tmp_path, slurm):
 
 
 @pytest.mark.slow
-def test_slurm_requeues_a_job_whose_head_died_and_it_resumes(tmp_path, slurm):
-    """L0 on Slurm: the head node's process is SIGKILLed mid-run; the job fails, Slurm requeues
-    it (TorchX's retries), the job resumes from its newest checkpoint, and `elasticrl status`
-    tells the restart."""
+def test_slurm_job_survives_a_trainer_rank_and_then_its_head_killed(tmp_path, slurm):
+    """On Slurm, one job, two kills. L3: an actor rank's process, on the train pool's node, is
+    SIGKILLed in step 2; the driver on the head node re-forms the actor there (from the start:
+    no checkpoint yet) and goes on. L0: then the head node's process is SIGKILLed after the
+    step-2 checkpoint; the job fails, Slurm requeues it (TorchX's retries), it resumes from
+    its newest checkpoint, and `elasticrl status` tells the restart. Every step's metrics once."""
     import time
+
+    from tests.integration.faults import Fault
+
+    trainer = Fault(tmp_path / "run", "ActorWorker", after=1, delay=0.3, root=1)
+    trainer.start()
 
     def heads(_launch_pid):  # the head runs under slurmd, not under launch: found by its command
         return [p for p, cmd in _descendants(1)  # the Python process itself, not srun's or the script's line
@@ -257,8 +264,13 @@ def test_slurm_requeues_a_job_whose_head_died_and_it_resumes(tmp_path, slurm):
     args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--output", str(tmp_path / "run"),
             "--max-restarts", "1", "--lost-s", "10", *_sets(RESTARTED)]
     output, killed = _launch_and_kill_the_head(args, tmp_path, heads, env=slurm)
+    trainer.check()
+    assert any("launch.node worker" in c and "--pool train" in c for c in trainer.parents), trainer.parents
+    recovered = re.search(r"actor rank \d died \(ActorDiedError\) at step 2; recovered in ([\d.]+) s from step 0",
+                          output)
+    assert recovered, output[-3000:]
     handle = re.search(r"app handle: (slurm://\S+)", output).group(1)
     status = _run(["status", handle], tmp_path, timeout=120, env=slurm)
     told = status.stdout + status.stderr
     assert "SUCCEEDED" in status.stdout and "restarted 1 time(s), resumed from step " in status.stdout, told
-    print(f"{time.time() - killed:.0f} s from the kill to the end")
+    print(f"trainer recovered in {recovered.group(1)} s; {time.time() - killed:.0f} s from the head's kill to the end")

@@ -1,0 +1,141 @@
+"""Elasticity L2: the rollout pool survives an engine that dies or hangs mid-rollout. Real
+Ray, vLLM's CPU build and DeepSpeed; the engine's process is SIGKILLed (or SIGSTOPped) by its
+PID from outside. Each prompt is seeded, so the run's metrics equal the uninterrupted run's."""
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from elasticrl.spec import load_spec
+from elasticrl.trainers import run_job
+from tests.conftest import EXAMPLES
+from tests.integration.faults import Fault
+from tests.integration.test_resume import SAME
+from tests.integration.test_rl import BASE
+
+pytestmark = pytest.mark.slow
+
+# 2 engines; completions of exactly 64 tokens make a rollout last about a second, so a kill
+# lands in it, and a reward that varies on them (the share of digits) keeps the updates real
+ELASTIC = BASE + ["rollout.num_engines=2", "rl.num_steps=16", "eval.every_steps=0", "rl.ignore_eos=true",
+                  "rl.max_new_tokens=64", "rl.prompts_per_step=16", "rollout.max_model_len=96",
+                  "rewards.functions=[{path: 'tests.integration.faults:digit_share'}]"]
+
+
+def _rows(out) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def straight(ray_cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("elastic") / "straight"
+    run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", ELASTIC), out)
+    return out
+
+
+def _equal_runs(a, b) -> None:
+    ra, rb = _rows(a), _rows(b)
+    assert sorted(ra) == sorted(rb)
+    for step in sorted(ra):
+        for key in SAME:
+            if key in ra[step]:
+                assert rb[step][key] == ra[step][key], (step, key, ra[step][key], rb[step][key])
+
+
+def test_a_rollout_engine_killed_mid_rollout_changes_no_metric(straight, tmp_path):
+    """An engine is SIGKILLed 0.3 s into step 2's rollout: its prompts go to the other, a
+    replacement starts on its bundle and serves again before the end; every metric equals
+    the uninterrupted run's."""
+    out = tmp_path / "run"
+    fault = Fault(out, "RolloutEngine", after=1, delay=0.3)
+    fault.start()
+    summary = run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", ELASTIC), out)
+    fault.check()
+    rows = _rows(out)
+    assert summary["final"]["fault/engine_deaths"] == 1 and rows[2]["fault/engine_deaths"] == 1  # lost in step 2
+    assert rows[2]["rollout/engines"] == 1 and rows[16]["rollout/engines"] == 2  # replaced before the end
+    alone = [s for s, r in rows.items() if s and r["rollout/engines"] == 1]
+    print(f"killed pid {fault.pid}: step 2's rollout took {rows[2]['time/rollout']:.1f} s (uninterrupted "
+          f"{_rows(straight)[2]['time/rollout']:.1f} s); one engine at steps {alone}, "
+          f"{sum(rows[s]['time/step'] for s in alone):.0f} s")
+    _equal_runs(straight, out)
+
+
+def test_a_hung_engine_is_found_by_its_deadline_and_its_prompts_served_elsewhere(ray_cluster):
+    """A pool of 2 engines (no trainer): one is SIGSTOPped; the next request finds it hung
+    (no answer within rollout.hang_factor x what the measured rate allows), generates its
+    prompts on the other, with the same samples, and starts a replacement."""
+    import os
+    import time
+
+    import ray
+
+    from elasticrl.rollout.pool import RolloutPool, sampling_params
+    from elasticrl.trainers.sft import resolve_paths
+
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", ELASTIC)
+    pool = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", spec.seed)
+    try:
+        prompts = [[1, 4, 7 + i % 9, 13, 78, 11, 86, 5] for i in range(16)]
+        sampling = sampling_params(spec, 3)
+        before = pool.generate(prompts, sampling)  # and the rate is measured
+        pid = ray.get(pool.group.actors[1].__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.time()
+        after = pool.generate(prompts, sampling)
+        found = time.time() - t0
+        assert pool.live == [0] and pool.deaths == 1 and 1 in pool.starting
+        assert "rollout engine 1 stopped answering" in pool.events[0] and "replacement is starting" in pool.events[0]
+        assert [(r["prompt_index"], r["token_ids"]) for r in after] == [(r["prompt_index"], r["token_ids"])
+                                                                         for r in before]
+        print(f"the hang was found and its prompts served elsewhere in {found:.1f} s")
+    finally:
+        pool.shutdown()
+
+
+def test_the_only_engine_killed_then_engines_added_and_removed_live_change_no_metric(straight, tmp_path):
+    """One engine, SIGKILLed 0.3 s into step 2's rollout: the rollout waits for its
+    replacement. Then `elasticrl scale OUTPUT --engines 3` (another shell), and `--engines 1`
+    once the three serve: the pool grows and shrinks at step boundaries. The samples, seeded
+    per prompt, and so every metric stay the uninterrupted 2-engine run's."""
+    import threading
+    import time
+
+    from tests.conftest import run_cli
+    from tests.integration.faults import logged_step
+
+    out = tmp_path / "run"
+    fault = Fault(out, "RolloutEngine", after=1, delay=0.3)
+    fault.start()
+    said = {}
+
+    def operator():  # another shell, asking by the real command
+        while logged_step(out) < 2:
+            time.sleep(0.05)
+        said["up"] = run_cli("scale", str(out), "--engines", "3", timeout=120)
+        while 3 not in [r.get("rollout/engines") for r in _rows(out).values()]:
+            if (out / "finished.json").exists():
+                return
+            time.sleep(0.2)
+        said["down"] = run_cli("scale", str(out), "--engines", "1", timeout=120)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", ELASTIC + ["rollout.num_engines=1"]), out)
+    fault.check()
+    thread.join(timeout=10)
+    rows = _rows(out)
+    assert rows[2]["fault/engine_deaths"] == 1 and rows[16]["fault/engine_deaths"] == 1  # removals are no deaths
+    assert said["up"].returncode == 0 and "asked for 3 rollout engine(s)" in said["up"].stdout
+    assert "down" in said, "the added engines never served before the end"
+    engines = [r["rollout/engines"] for s, r in sorted(rows.items()) if s]
+    print(f"the only engine killed in step 2 (its rollout took {rows[2]['time/rollout']:.1f} s); engines per step: "
+          f"{engines}")
+    assert engines[:2] == [1, 1] and 3 in engines
+    last3 = max(i for i, e in enumerate(engines) if e == 3)
+    assert engines[last3 + 1:] and set(engines[last3 + 1:]) == {1}  # up, then down
+    _equal_runs(straight, out)
+    refused = run_cli("scale", str(out), "--engines", "2", timeout=120)
+    assert refused.returncode == 2 and "that job has finished" in refused.stderr
