@@ -95,13 +95,15 @@ def slurm_restarts(job_id: str) -> int | None:
 
 
 def _told(handle: str, restarts: int | None) -> str:
-    """What the head's log tells of the job's failures: the restart and the step it resumed
-    from, rollout engines lost, trainer recoveries ('' when nothing)."""
+    """What the head's log tells of a Slurm job's failures: the restart and the step it
+    resumed from, rollout engines lost, trainer recoveries ('' when nothing)."""
     from elasticrl.engine.checkpoint import RESUMING
 
+    # the file itself (TorchX's log reader waits for a running job to end)
+    log = Path(f"slurm-{_split(handle)[2]}-head-0.err")  # Slurm writes it where launch ran
     try:
-        lines = list(log_lines(handle))
-    except Exception:  # no log (yet) or one the scheduler cannot read back: say nothing
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:  # no log (yet), or status asked from another directory: say nothing
         return ""
     out = ""
     if restarts:
