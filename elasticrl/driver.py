@@ -10,8 +10,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
+
+from elasticrl.files import write_text
 
 
 def error(message: str) -> None:
@@ -19,7 +22,6 @@ def error(message: str) -> None:
 
 
 def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = ()) -> int:
-    from elasticrl.cluster import RoleError
     from elasticrl.spec import SpecError, load_spec
 
     output = Path(output)
@@ -28,6 +30,23 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
     except SpecError as exc:
         error(str(exc) if str(exc).startswith(str(spec_path)) else f"{spec_path}: {exc}")
         return 2
+    problem = output_problem(output)
+    if problem:
+        error(problem)
+        return 2
+    fresh = not output.is_dir() or not any(output.iterdir())
+    code = _run(job, output)
+    if code and fresh:
+        _remove_what_a_failed_run_began(output)
+    return code
+
+
+def _run(job, output: Path) -> int:
+    from elasticrl.cluster import RoleError
+    from elasticrl.cluster.session import Terminated
+    from elasticrl.files import disk_problem
+    from elasticrl.spec import SpecError
+
     quiet_libraries()
     from elasticrl.plot import plot_run
     from elasticrl.trainers import run_job
@@ -37,19 +56,69 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
     except (SpecError, ValueError, FileNotFoundError) as exc:
         error(str(exc))
         return 2
-    except (RoleError, RuntimeError) as exc:
-        log = output / "error.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("".join(traceback.format_exception(exc)))
-        error(f"{str(exc).splitlines()[0]} (full trace: {log})")
-        return 1
+    except Terminated:
+        error("terminated (SIGTERM); run the same command again to resume from the newest checkpoint")
+        return 143
     except KeyboardInterrupt:
         error("interrupted")
         return 130
+    except Exception as exc:  # a rank, an engine, a reward source, the disk: one line, the trace in a file
+        problem = disk_problem(exc)
+        if problem and getattr(exc, "filename", None):
+            first = f"{exc.filename}: {problem[0]}; {problem[1]}"
+        elif isinstance(exc, (RoleError, RuntimeError)):
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        else:
+            first = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        error(f"{first} (full trace: {_trace(exc, output)})")
+        return 1
     print(json.dumps({"output": str(output), **summary}, default=str), flush=True)
     plot_run(output)
     print(f"curves: {output / 'plots'}/  (metrics: {output / 'metrics.jsonl'})", flush=True)
     return 0
+
+
+def _trace(exc: BaseException, output: Path) -> Path | str:
+    """The full traceback in OUTPUT/error.log (or, when OUTPUT cannot take it, a temp file)."""
+    text = "".join(traceback.format_exception(exc))
+    for folder in (output, Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return write_text(folder / ("error.log" if folder == output else f"elasticrl-error-{os.getpid()}.log"),
+                              text)
+        except OSError:
+            continue
+    return "not written: no folder takes it"
+
+
+def output_problem(output: Path) -> str | None:
+    """Why ``--output`` cannot take a run (made if missing), in one line; None when it can."""
+    from elasticrl.files import disk_problem
+
+    if output.exists() and not output.is_dir():
+        return f"--output {output} is a file; give a folder (made if missing)"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=output, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        what, fix = disk_problem(exc) or (exc.strerror or str(exc), "give another --output")
+        return f"--output {output}: {what}; {fix}"
+    return None
+
+
+def _remove_what_a_failed_run_began(output: Path) -> None:
+    """A run that failed in a folder that was empty leaves no spec.yaml and no empty metrics
+    file there (nothing that looks like a run); the folder goes too when nothing else is left."""
+    for name in ("spec.yaml", "metrics.jsonl"):
+        path = output / name
+        if path.is_file() and (name == "spec.yaml" or path.stat().st_size == 0):
+            path.unlink()
+    try:
+        output.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 def quiet_libraries() -> None:

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -81,3 +82,61 @@ def disk_problem(exc: BaseException) -> tuple[str, str] | None:
     if "StorageFull" in text:
         return _DISK[errno.ENOSPC]
     return None
+
+
+# A run's temp folders carry a mark naming the process that made them (pid and start time):
+# what a SIGKILLed run could not remove, a later run sweeps, and only that.
+OWNER_MARK = ".elasticrl-owner"
+
+
+def started(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (which tells a live process from a reused pid)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owned_dir(path: str | Path) -> Path:
+    """``path`` as a folder private to this user (mode 0700), marked as this process's."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    (path / OWNER_MARK).write_text(f"{os.getpid()} {started(os.getpid())}\n")
+    return path
+
+
+def sweep_orphans(pattern: str, root: str | Path = "/tmp") -> list[Path]:
+    """Remove what this user's SIGKILLed runs left: each folder under ``root`` matching
+    ``pattern`` whose mark names a process that is gone, and the processes of this user that
+    still name that folder on their command line (Ray's, which outlive a killed driver; by
+    PID). Unmarked folders, other users' and live runs' are left alone."""
+    removed = []
+    for folder in Path(root).glob(pattern):
+        try:
+            if folder.lstat().st_uid != os.getuid() or not folder.is_dir():
+                continue
+            pid, start = (folder / OWNER_MARK).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if started(int(pid)) == start:
+            continue
+        for orphan in _processes_naming(str(folder)):
+            with contextlib.suppress(OSError):
+                os.kill(orphan, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _processes_naming(text: str) -> list[int]:
+    """This user's processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if entry.stat().st_uid == os.getuid() and text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

@@ -32,7 +32,7 @@ import time
 import zlib
 from pathlib import Path
 
-from elasticrl.files import write_text
+from elasticrl.files import owned_dir, started, sweep_orphans, write_text
 from elasticrl.plan.roles import POOL_PREFIX
 
 DONE_KEY = b"elasticrl:done"
@@ -41,6 +41,24 @@ _terminating = False  # set by SIGTERM: clean up fast, Slurm kills the step afte
 
 def token_file(app_id: str) -> Path:
     return Path(".elasticrl") / f"ray-token-{app_id}"
+
+
+def owner_file(app_id: str) -> Path:
+    """The head's PID and start time, beside its token: a later head removes the files of
+    an app whose head was SIGKILLed (``_sweep_dead_heads``)."""
+    return Path(".elasticrl") / f"ray-owner-{app_id}"
+
+
+def _sweep_dead_heads() -> None:
+    for owner in Path(".elasticrl").glob("ray-owner-*"):
+        try:
+            pid, start = owner.read_text().split()
+        except (OSError, ValueError):
+            continue
+        if started(int(pid)) != start:
+            app_id = owner.name.removeprefix("ray-owner-")
+            for path in (token_file(app_id), port_file(app_id), owner):
+                path.unlink(missing_ok=True)
 
 
 def port_file(app_id: str) -> Path:
@@ -157,11 +175,14 @@ def head(ns: argparse.Namespace) -> int:
     os.environ.update(_ray_env(ns.app_id))
     tok = token_file(ns.app_id)
     tok.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_dead_heads()
+    write_text(owner_file(ns.app_id), f"{os.getpid()} {started(os.getpid())}\n")
     fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, secrets.token_hex(32).encode())
     os.close(fd)
     ip = _node_ip(ns.host)
-    temp = _temp_dir(ns.app_id)
+    sweep_orphans("erl-*")  # what SIGKILLed nodes of earlier apps left
+    temp = owned_dir(_temp_dir(ns.app_id))
     log_path = Path(ns.output) / "logs" / "ray-head.log"
     proc, code = None, 1
     try:
@@ -211,6 +232,7 @@ def _run_job(ns: argparse.Namespace) -> int:
 def _finish(ns, proc, code: int) -> None:
     token_file(ns.app_id).unlink(missing_ok=True)  # first: a cancelled step has seconds left
     port_file(ns.app_id).unlink(missing_ok=True)
+    owner_file(ns.app_id).unlink(missing_ok=True)
     try:
         import ray
 
@@ -251,8 +273,9 @@ def worker(ns: argparse.Namespace) -> int:
         args += ["--node-ip-address", _node_ip(ns.host)]
     # Several nodes of one app may share a host (a workstation, a test): a temp dir of its own,
     # or two raylets starting together race for the same socket names.
-    temp = f"{_temp_dir(ns.app_id)}-{ns.pool}-{os.getpid()}"
-    args += ["--temp-dir", temp]
+    sweep_orphans("erl-*")
+    temp = owned_dir(f"{_temp_dir(ns.app_id)}-{ns.pool}-{os.getpid()}")
+    args += ["--temp-dir", str(temp)]
     _log(f"joining the Ray head at {address} as pool {ns.pool!r}")
     proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.pool}-{os.getpid()}.log")
     lost_since = None

@@ -5,10 +5,13 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
+from elasticrl.files import owned_dir, sweep_orphans
 from elasticrl.spec.schema import RaySpec
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,15 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as an interrupt: the run stops as it does on Ctrl-C (Ray shut down, the
+    temp folder removed, the exit code 143)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 @contextlib.contextmanager
 def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
     """A private local Ray (own temp dir, no dashboard) or a connection to ``spec.address``."""
@@ -45,17 +57,26 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
     os.environ.update(env)  # the local raylet and its workers inherit the driver's env
     temp_dir = None
     if spec.address == "local":
-        # Short path: Ray's socket names must fit in 107 bytes.
-        temp_dir = tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")
+        # Short path: Ray's socket names must fit in 107 bytes. A folder private to the user
+        # (Ray opens its own temp dir to everyone), marked as this run's: a later run removes
+        # it if this one is SIGKILLed.
+        sweep_orphans("erl-ray-*")
+        temp_dir = str(owned_dir(tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")))
+        ray_dir = os.path.join(temp_dir, "r")
         num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
-        ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, num_cpus=num_cpus,
+        ray.init(address="local", _temp_dir=ray_dir, include_dashboard=False, num_cpus=num_cpus,
                  logging_level=logging.WARNING, log_to_driver=True,
                  runtime_env={"env_vars": env})
     else:
         ray.init(address=spec.address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+    # ray.init installs a SIGTERM handler that ends the process at once, skipping the cleanup
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
         yield
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)

@@ -17,19 +17,30 @@ from elasticrl.files import write_text
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
     records = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            missing = [k for k in required if k not in rec]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; set data.*_key in the "
-                                 f"spec to the names your file uses (it has {sorted(rec)})")
-            records.append(rec)
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+    for lineno, raw in enumerate(text.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line); save the file "
+                             "as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object (one record per line), got "
+                             f"{type(rec).__name__} {line.strip()[:40]}")
+        missing = [k for k in required if k not in rec]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; set data.*_key in the "
+                             f"spec to the names your file uses (it has {sorted(rec)})")
+        records.append(rec)
     if not records:
         raise ValueError(f"{path}: no records")
     return records

@@ -45,6 +45,19 @@ class Inventory:
     nodes: int = 1
     host_mem_gb: float | None = None  # per node; unchecked when unknown
 
+    def __post_init__(self):
+        """Each figure as the command line's flag would give it, refused in one line."""
+        checks = (("--gpus", self.gpus, "an integer >= 1", isinstance(self.gpus, int) and self.gpus >= 1),
+                  ("--gpu-mem", self.gpu_mem_gb, "a number of GB > 0", math.isfinite(self.gpu_mem_gb) and
+                   self.gpu_mem_gb > 0),
+                  ("--nodes", self.nodes, f"an integer >= 1 that divides --gpus ({self.gpus})",
+                   isinstance(self.nodes, int) and self.nodes >= 1 and self.gpus % self.nodes == 0),
+                  ("--host-mem", self.host_mem_gb, "a number of GB > 0", self.host_mem_gb is None or
+                   (math.isfinite(self.host_mem_gb) and self.host_mem_gb > 0)))
+        for flag, value, expected, ok in checks:
+            if not ok:
+                raise PlanError(f"{flag}: expected {expected}, got {value:g}")
+
     @property
     def per_node(self) -> int:
         return self.gpus // self.nodes

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -65,18 +66,40 @@ def explicit_fields(raw: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"field {key!r} is written twice (first at line {seen[key] + 1}); keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise SpecError("", f"spec file {path} not found; pass the path of a YAML job spec "
-                            "(see examples/)")
+        what = "is a folder" if path.is_dir() else "not found"
+        raise SpecError("", f"spec file {path} {what}; pass the path of a YAML job spec (see examples/)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError("", f"{path}: not a text file (byte {exc.start} is not UTF-8); pass a YAML job spec") from None
+    except OSError as exc:
+        raise SpecError("", f"{path}: cannot read it ({exc.strerror})") from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError("", f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     if raw is None:
-        return {}
+        raise SpecError("", f"{path}: the spec is empty; write at least the algorithm (algorithm: grpo), "
+                            "see examples/")
     if not isinstance(raw, dict):
         raise SpecError("", f"{path}: the top level must be a mapping of fields, got "
                             f"{type(raw).__name__}")
@@ -134,7 +157,10 @@ def _convert(tp, value: Any, path: str, meta: dict | None = None) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(path, f"expected {_bounded('an integer', meta)}, got {value!r}")
-        return _check_bounds(value, path, meta, "an integer")
+        _check_bounds(value, path, meta, "an integer")
+        if abs(value) >= 2 ** 63:
+            raise SpecError(path, f"expected an integer of at most 63 bits, got {value}")
+        return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
@@ -143,6 +169,8 @@ def _convert(tp, value: Any, path: str, meta: dict | None = None) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(path, f"expected {_bounded('a number', meta)}, got {value!r}")
+        if not math.isfinite(value):
+            raise SpecError(path, f"expected {_bounded('a finite number', meta)}, got {value!r}")
         return _check_bounds(float(value), path, meta, "a number")
     if tp is str:
         if not isinstance(value, str):

@@ -31,7 +31,7 @@ class WorldSpec:
     operators: str = doc("Operators drawn for problems, a subset of '+-*'.", "+-")
     num_train: int = doc("Number of training problems generated.", 20000, min=1)
     num_eval: int = doc("Number of held-out evaluation problems generated.", 256, min=1)
-    seed: int = doc("Seed of the world: same seed, same bytes on every machine.", 0)
+    seed: int = doc("Seed of the world: same seed, same bytes on every machine.", 0, min=0, max=2 ** 32 - 1)
 
 
 @dataclass
@@ -244,6 +244,15 @@ class RewardsSpec:
     models: list[RewardModelSpec] = doc("Reward models (each a Ray role), summed with their weights.",
                                         factory=list)
     remote: list[RemoteRewardSpec] = doc("Remote HTTP rewards, summed with their weights.", factory=list)
+    timeout_s: float = doc("Seconds one reward-function call may take (it runs in a process of its own; one "
+                           "that hangs is stopped and the call counts as an error).", 10.0, min=0, exclusive_min=True)
+    on_error: Literal["fail", "zero", "drop_sample"] = doc(
+        "A reward source that raises, times out, or gives a non-number or non-finite value: 'fail' ends the run; "
+        "'zero' scores that sample 0 from that source; 'drop_sample' leaves the sample out of training. Every "
+        "error counts in reward/errors.", "zero")
+    max_consecutive_errors: int = doc("With 'zero' or 'drop_sample', this many errors in a row from one source "
+                                      "(calls: a sample for a function, a request for an endpoint, a batch for "
+                                      "a reward model) end the run; 0 never does.", 8, min=0)
 
 
 @dataclass
@@ -338,7 +347,7 @@ class JobSpec:
 
     algorithm: Literal[tuple(ALGORITHMS)] = doc(
         "Which trainer runs the job.", "sft")
-    seed: int = doc("Seed of model init, data order and sampling.", 1234)
+    seed: int = doc("Seed of model init, data order and sampling.", 1234, min=0, max=2 ** 32 - 1)
     world: WorldSpec = doc("The embedded tiny world.", factory=WorldSpec)
     model: ModelSpec = doc("The model trained.", factory=ModelSpec)
     data: DataSpec = doc("Training and evaluation data.", factory=DataSpec)

@@ -109,6 +109,13 @@ def finished_run(spec: JobSpec, output: Path) -> dict | None:
     return None  # more steps: find_resume continues from the newest checkpoint (and checks the spec)
 
 
+def check_user_files(spec: JobSpec, read) -> None:
+    """The user's data files (data.train, data.eval) read with ``read`` before Ray starts: a
+    bad line fails in seconds, naming the file and line, not after the models have loaded."""
+    for path in filter(None, (spec.data.train, spec.data.eval)):
+        read(path)
+
+
 def find_resume(spec: JobSpec, output: Path) -> Path | None:
     """The checkpoint to resume from, per ``checkpoint.resume``, checked before anything runs
     (``engine.checkpoint.check_resumable``). Call it before ``prepare_output``."""

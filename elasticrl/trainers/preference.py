@@ -208,15 +208,29 @@ def resolve_preference_paths(spec: JobSpec) -> dict[str, str]:
     paths = {"model": initial_model(spec), "train": spec.data.train or str(world["preference"]),
              "eval": spec.data.eval or str(world["preference_eval"]),
              "eval_prompts": str(world["eval"]) if "eval" in world else ""}
-    first = read_jsonl(paths["train"], (spec.data.prompt_key,))[0]
-    paths["train_kind"] = "unpaired" if spec.data.label_key in first and spec.data.chosen_key not in first else "pairs"
+    paths["train_kind"] = _train_kind(spec, paths["train"])
     return paths
+
+
+def _train_kind(spec: JobSpec, path: str) -> str:
+    first = read_jsonl(path, (spec.data.prompt_key,))[0]
+    return "unpaired" if spec.data.label_key in first and spec.data.chosen_key not in first else "pairs"
+
+
+def _check_user_data(spec: JobSpec) -> None:
+    """The user's preference files, read before Ray starts."""
+    d = spec.data
+    if d.train:
+        _count_records(spec, {"train": d.train, "train_kind": _train_kind(spec, d.train)})
+    if d.eval:
+        read_jsonl(d.eval, (d.prompt_key, d.chosen_key, d.rejected_key))
 
 
 def run_preference(spec: JobSpec, output: Path) -> dict:
     resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     t = spec.train
+    _check_user_data(spec)
     with ray_session(spec.ray, cpus_needed(spec)):
         paths = resolve_preference_paths(spec)
         group = Placement(spec).group("actor", PreferenceWorker, spec_to_dict(spec), paths, name="trainer")

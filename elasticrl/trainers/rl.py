@@ -44,8 +44,8 @@ from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, advantage_of
 from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
-from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, find_resume, finish_run, prepare_output,
-                                     save_checkpoint)
+from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, check_user_files, find_resume, finish_run,
+                                     prepare_output, save_checkpoint)
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
 from elasticrl.world import world_paths
@@ -196,10 +196,11 @@ def _timed(s: Step, phase: str):
 def run_rl(spec: JobSpec, output: Path) -> dict:
     resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
-    rewards = RewardSources(spec)
     asked = spec
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
-    with ray_session(spec.ray, cpus_needed(spec)):
+    check_user_files(spec, lambda path: read_jsonl(path, (spec.data.prompt_key, spec.data.answer_key)))
+    # the reward functions' process starts first: one that does not import fails before Ray
+    with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
             path = trained_reward_model(spec)
             spec = dataclasses.replace(spec, rewards=dataclasses.replace(
@@ -364,15 +365,32 @@ def _score(run: Run, s: Step) -> torch.Tensor:
     s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
     batch_ref = ray.put(s.batch)
     models = [(lambda g=g: gather_rows(g.call("score", batch_ref), "values"), w) for g, w in run.roles.rewards]
-    raw = run.rewards([r[pk] for r in recs], texts, [r.get(ak) for r in recs], models)
+    scores = run.rewards([r[pk] for r in recs], texts, [r.get(ak) for r in recs], models, where=f"step {s.step + 1}")
+    raw = _drop(run, s, scores)
+    kept = raw[scores.keep]
     correct = torch.tensor([float(is_correct(c, r[ak])) if r.get(ak) is not None else 0.0
                             for c, r in zip(texts, recs)])
-    s.info = {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if len(raw) > 1 else 0.0,
+    s.info = {"reward/mean": kept.mean().item() if len(kept) else 0.0,
+              "reward/std": kept.std().item() if len(kept) > 1 else 0.0,
               "accuracy": correct.mean().item(), "response_length": s.batch["response_mask"].sum(1).mean().item(),
-              "rl/staleness": run.version - min(r["weight_version"] for r in s.results)}
+              "rl/staleness": run.version - min(r["weight_version"] for r in s.results), **scores.info}
     if s.info["rl/staleness"] > (rl.max_staleness if rl.async_rollout else 0):
         raise RuntimeError(f"rollout staleness {s.info['rl/staleness']} exceeds the bound")  # an invariant
     return raw
+
+
+def _drop(run: Run, s: Step, scores) -> torch.Tensor:
+    """``rewards.on_error: drop_sample``: a dropped sample's tokens leave the loss (its
+    response mask is cleared) and its reward is its group's mean over the kept samples, so
+    that the others' advantages do not see it."""
+    raw, keep = scores.total, scores.keep
+    if keep.all():
+        return raw
+    s.batch["response_mask"][~keep] = 0
+    k = run.spec.rl.samples_per_prompt
+    groups, kept = raw.view(-1, k), keep.view(-1, k)
+    means = (groups * kept).sum(1, keepdim=True) / kept.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(kept, groups, means).reshape(-1)
 
 
 def _keep_varying_groups(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.engine.checkpoint import read_trainer_state
-from elasticrl.trainers.loop import find_resume, num_steps, offline_loop, prepare_output
+from elasticrl.trainers.loop import check_user_files, find_resume, num_steps, offline_loop, prepare_output
 from elasticrl.world import world_paths
 
 
@@ -106,6 +106,7 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
     output = prepare_output(spec, output)
     t = spec.train
     summary: dict = {}
+    check_user_files(spec, read)
     with ray_session(spec.ray, cpus_needed(spec)):
         world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
         paths = {"model": initial_model(spec), "train": spec.data.train or str(world[datasets[0]]),

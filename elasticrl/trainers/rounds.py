@@ -32,23 +32,28 @@ from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool, evaluate_answers, sampling_params
 from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.engine.checkpoint import read_trainer_state
-from elasticrl.trainers.loop import MetricsLog, Progress, find_resume, finish_run, prepare_output, save_checkpoint
+from elasticrl.trainers.loop import (MetricsLog, Progress, check_user_files, find_resume, finish_run, prepare_output,
+                                    save_checkpoint)
 from elasticrl.trainers.preference import PreferenceWorker
 from elasticrl.trainers.sft import SFTWorker
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.world import world_paths
 
 
-def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]], rewards: list[list[float]]) -> list[dict]:
-    """One round's training records from each prompt's scored completions."""
+def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]],
+           rewards: list[list[float | None]]) -> list[dict]:
+    """One round's training records from each prompt's scored completions (None: dropped)."""
     d, out = spec.data, []
     for prompt, texts, scores in zip(prompts, completions, rewards):
-        best = max(range(len(texts)), key=lambda i: scores[i])
+        scored = [i for i in range(len(texts)) if scores[i] is not None]
+        if not scored:
+            continue
+        best = max(scored, key=lambda i: scores[i])
         if spec.algorithm == "rejection_sampling":
             if scores[best] >= spec.rounds.min_reward:
                 out.append({d.prompt_key: prompt[d.prompt_key], d.response_key: texts[best]})
         else:
-            worst = min(range(len(texts)), key=lambda i: scores[i])
+            worst = min(scored, key=lambda i: scores[i])
             if scores[best] > scores[worst]:
                 out.append({d.prompt_key: prompt[d.prompt_key], d.chosen_key: texts[best],
                             d.rejected_key: texts[worst]})
@@ -60,9 +65,9 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
     state = read_trainer_state(resume_dir) if resume_dir else {"round": 0, "version": 0}
     output = prepare_output(spec, output)
     r = spec.rounds
-    rewards = RewardSources(spec)
     total = r.num_rounds * r.steps_per_round
-    with ray_session(spec.ray, cpus_needed(spec)):
+    check_user_files(spec, lambda path: read_jsonl(path, (spec.data.prompt_key, spec.data.answer_key)))
+    with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         world = world_paths(spec.world)
         model = initial_model(spec)
         # the workers' own data is replaced each round (set_records); evaluation runs on vLLM here
@@ -117,15 +122,19 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
             texts[res["prompt_index"]].append(res["text"])
         flat = [t for ts in texts for t in ts]
         owners = [batch[i] for i, ts in enumerate(texts) for _ in ts]
-        scores = rewards([p[d.prompt_key] for p in owners], flat, [p.get(d.answer_key) for p in owners]).tolist()
+        scored = rewards([p[d.prompt_key] for p in owners], flat, [p.get(d.answer_key) for p in owners],
+                         where=f"round {rnd + 1}")
+        # a dropped sample (rewards.on_error: drop_sample) is no candidate for the records
+        scores = [v if keep else None for v, keep in zip(scored.total.tolist(), scored.keep.tolist())]
         k = rl.samples_per_prompt
         per_prompt = [scores[i * k:(i + 1) * k] for i in range(len(batch))]
         records = select(spec, batch, texts, per_prompt)
         data = output / "rounds" / f"{rnd + 1}.jsonl"
         write_jsonl(data, records)
         t_gen = time.time() - t0
-        row = {"step": (rnd + 1) * r.steps_per_round, "round": rnd + 1, "round/reward_mean": sum(scores) / len(scores),
-               "round/records": len(records), "time/generate": t_gen}
+        valid = [v for v in scores if v is not None]
+        row = {"step": (rnd + 1) * r.steps_per_round, "round": rnd + 1, "round/records": len(records),
+               "round/reward_mean": sum(valid) / max(1, len(valid)), "time/generate": t_gen, **scored.info}
         if records:
             group.call("set_records", str(data))
             t1 = time.time()

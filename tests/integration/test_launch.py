@@ -74,33 +74,6 @@ def _run(args, cwd, timeout=1200, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.slow
-def test_local_cwd_launch_runs_the_tiny_grpo_job(tmp_path):
-    before = set(_leftovers(tmp_path))
-    out = tmp_path / "run"
-    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(out), *_sets(SHORT)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"app handle: local_cwd://\w+/elasticrl-\w+", proc.stdout)
-    assert "3 Ray node(s) up; running the job" in proc.stderr
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] > 0]
-    # engines on the rollout pool's node, trainers on the train pool's: weights cross nodes
-    assert [r["sync/version"] for r in steps] == [1, 2, 3] and steps[0]["sync/transport"] == "broadcast"
-    for row in steps:
-        assert row["sync/gbytes"] > 0 and row["rl/staleness"] == 0 and row["time/rollout"] > 0
-        # exact_answer (weight 1) is the only reward: its mean is the batch accuracy
-        assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
-        assert math.isfinite(row["policy_loss"])
-    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 3] and "eval/pass@2" in steps[-1]
-    assert {"eval.png", "reward.png", "time.png", "sync.png"} <= {p.name for p in (out / "plots").glob("*.png")}
-    # the trained policy is what was exported, and it moved away from the start
-    start = load_file(os.path.join(initial_model(load_spec(ROOT / "examples/tiny_grpo.yaml", SHORT)),
-                                   "model.safetensors"))
-    final = load_file(out / "final" / "model.safetensors")
-    assert start.keys() == final.keys() and any(not start[k].equal(final[k]) for k in start)
-    assert set(_leftovers(tmp_path)) <= before
-
-
 def _descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of every process below ``pid``, from /proc."""
     parent, cmd = {}, {}
@@ -151,11 +124,14 @@ def _launch_and_kill_the_head(args: list[str], tmp_path, heads, env=None) -> tup
 
 @pytest.mark.slow
 def test_local_cwd_launch_restarts_a_job_whose_head_died_and_it_resumes(tmp_path):
-    """L0: the head node's process is SIGKILLed mid-run; its Ray goes with it, the other nodes
-    give up, the app fails, `launch --max-restarts 1` submits it again and the job resumes from
-    its newest checkpoint: every step's metrics exactly once."""
+    """The tiny GRPO job on local processes, and L0: the head node's process is SIGKILLed
+    mid-run; its Ray goes with it, the other nodes give up, the app fails, `launch
+    --max-restarts 1` submits it again and the job resumes from its newest checkpoint: every
+    step's metrics exactly once, weights broadcast across nodes, the policy exported, and
+    nothing of either attempt left behind."""
     import time
 
+    before = set(_leftovers(tmp_path))
     args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(tmp_path / "run"), "--max-restarts",
             "1", "--lost-s", "10", *_sets(RESTARTED)]
     output, killed = _launch_and_kill_the_head(
@@ -163,6 +139,27 @@ def test_local_cwd_launch_restarts_a_job_whose_head_died_and_it_resumes(tmp_path
     resumed = int(re.search(r"restart 1 of 1, resuming from step (\d+)", output).group(1))
     assert resumed >= 2
     print(f"resumed from step {resumed}; {time.time() - killed:.0f} s from the kill to the end")
+    assert re.search(r"app handle: local_cwd://\w+/elasticrl-\w+", output)
+    assert output.count("3 Ray node(s) up; running the job") == 2  # each attempt
+    out = tmp_path / "run"
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    # engines on the rollout pool's node, trainers on the train pool's: weights cross nodes;
+    # the version goes on from the checkpoint's
+    assert [r["sync/version"] for r in steps] == [1, 2, 3, 4, 5, 6] and steps[0]["sync/transport"] == "broadcast"
+    for row in steps:
+        assert row["sync/gbytes"] > 0 and row["rl/staleness"] == 0 and row["time/rollout"] > 0
+        # exact_answer (weight 1) is the only reward: its mean is the batch accuracy
+        assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
+        assert math.isfinite(row["policy_loss"])
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3, 6] and "eval/pass@2" in steps[-1]
+    assert {"eval.png", "reward.png", "time.png", "sync.png"} <= {p.name for p in (out / "plots").glob("*.png")}
+    # the trained policy is what was exported, and it moved away from the start
+    start = load_file(os.path.join(initial_model(load_spec(ROOT / "examples/tiny_grpo.yaml", RESTARTED)),
+                                   "model.safetensors"))
+    final = load_file(out / "final" / "model.safetensors")
+    assert start.keys() == final.keys() and any(not start[k].equal(final[k]) for k in start)
+    assert set(_leftovers(tmp_path)) <= before
 
 
 @pytest.mark.slow

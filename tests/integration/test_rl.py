@@ -37,14 +37,16 @@ def _steps(output) -> dict[int, dict]:
 
 
 def test_async_rollouts_stay_within_the_staleness_bound_with_a_remote_reward(ray_cluster, tmp_path):
-    """Async GRPO whose only reward is an HTTP endpoint (a real local server that refuses the
-    first request with 503, so the client must retry)."""
+    """Async GRPO whose reward is an HTTP endpoint (a real local server that refuses the first
+    request with 503, so the client must retry), beside a function of weight 0 that raises on
+    1 call in 10: counted in reward/errors, scored 0, and the run goes on."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/score"
         raw = yaml.safe_load((EXAMPLES / "tiny_grpo.yaml").read_text())
-        raw["rewards"] = {"functions": [], "remote": [{"url": url, "retries": 2, "timeout_s": 30}]}
+        raw["rewards"] = {"functions": [{"path": "tests.rewards.misbehaving:flaky", "weight": 0.0}],
+                          "remote": [{"url": url, "retries": 2, "timeout_s": 30}]}
         spec = load_spec(raw, BASE + ["rl.num_steps=5", "eval.every_steps=0", "rl.async_rollout=true",
                                       "rl.max_staleness=2"])
         summary = run_rl(spec, tmp_path / "async")
@@ -57,6 +59,8 @@ def test_async_rollouts_stay_within_the_staleness_bound_with_a_remote_reward(ray
     assert staleness == [0, 1, 2, 2, 2], staleness
     assert summary["final"]["sync/version"] == 5
     assert _Scorer.calls == [32] * 6  # one refused, then one per step
+    assert [r["reward/errors/flaky"] for r in steps.values()] == [3, 3, 3, 3, 4]  # calls 10, 20, ... of 160
+    assert all(r["reward/errors"] == r["reward/errors/flaky"] for r in steps.values())
     for row in steps.values():  # the endpoint scores exact answers: its mean is the batch accuracy
         assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
 

@@ -90,10 +90,109 @@ def test_reward_sources_sum_functions_endpoints_and_models_with_their_weights():
         spec = load_spec({"algorithm": "grpo", "rewards": {
             "functions": [{"path": "elasticrl.rewards.functions:exact_answer", "weight": 2.0}],
             "remote": [{"url": url, "weight": 0.5}]}})
-        total = RewardSources(spec)(["1+1=", "2+2="], ["2", "5"], ["2", "4"],
-                                    models=[(lambda: torch.tensor([0.25, 1.0]), 4.0)])
+        with RewardSources(spec) as rewards:
+            scores = rewards(["1+1=", "2+2="], ["2", "5"], ["2", "4"], models=[(lambda: torch.tensor([0.25, 1.0]), 4.0)])
     finally:
         server.shutdown()
     # 2 x exact (1, 0) + 0.5 x remote (0.5, -1) + 4 x model (0.25, 1) = (2 + .25 + 1, 0 - .5 + 4)
-    assert total.tolist() == [3.25, 3.5]
+    assert scores.total.tolist() == [3.25, 3.5] and scores.keep.all()
+    assert scores.info == {"reward/errors": 0, "reward/errors/exact_answer": 0, "reward/errors/remote0": 0,
+                           "reward/errors/model0": 0}
     assert seen == [{"prompts": ["1+1=", "2+2="], "completions": ["2", "5"], "answers": ["2", "4"]}]
+
+
+MOODY = "tests.rewards.misbehaving:moody"
+
+
+def _sources(**rewards):
+    from elasticrl.rewards.sources import RewardSources
+    from elasticrl.spec import load_spec
+
+    return RewardSources(load_spec({"algorithm": "grpo", "rewards": {"functions": [{"path": MOODY}], **rewards}}))
+
+
+def test_a_reward_function_that_raises_hangs_crashes_or_gives_no_number_costs_that_call_only():
+    """Each misbehaviour is that sample's error (named, counted, scored 0 under 'zero'); the
+    calls after it are served, the hang is cut at rewards.timeout_s and the crash costs one call."""
+    import time
+
+    prompts = ["ok", "raise", "none", "text", "nan", "sleep", "ok", "crash", "ok"]
+    with _sources(timeout_s=1.0, max_consecutive_errors=0) as rewards:
+        first = rewards.process.proc.pid
+        t0 = time.time()
+        scores = rewards(prompts, ["abc"] * 9, [None] * 9)
+        took = time.time() - t0
+        again = rewards(["ok"], ["abcd"], [None])  # after the crash: a new process serves
+    assert scores.total.tolist() == [3.0, 0, 0, 0, 0, 0, 3.0, 0, 3.0] and again.total.tolist() == [4.0]
+    assert scores.info == {"reward/errors": 6, "reward/errors/moody": 6} and scores.keep.all()
+    assert 1.0 <= took < 8.0, took  # the 60 s sleep was cut at 1 s (plus a restart or two)
+    assert rewards.process.proc is None and first  # closed on leaving the block
+
+
+@pytest.mark.parametrize("prompt, cause", [
+    ("raise", "ZeroDivisionError: division by zero"),
+    ("none", "returned NoneType 'None', not a number"),
+    ("text", "returned str 'high', not a number"),
+    ("nan", "returned nan"),
+    ("sleep", "timed out after 0.5 s (rewards.timeout_s)"),
+    ("crash", "the reward process died (exit 3)"),
+])
+def test_on_error_fail_names_the_function_the_sample_and_the_cause(prompt, cause):
+    from elasticrl.rewards.sources import RewardError
+
+    with _sources(on_error="fail", timeout_s=0.5) as rewards:
+        with pytest.raises(RewardError) as err:
+            rewards(["ok", prompt], ["a", "b"], [None, None], where="step 3")
+    assert str(err.value) == (f"reward function {MOODY} failed on sample 1 of step 3 (prompt {prompt!r}): {cause} "
+                              "(rewards.on_error is fail; 'zero' or 'drop_sample' would count it and go on)")
+
+
+def test_errors_in_a_row_end_the_run_but_scattered_ones_do_not():
+    from elasticrl.rewards.sources import RewardError
+
+    with _sources(max_consecutive_errors=3) as rewards:
+        scattered = rewards(["raise", "raise", "ok"] * 4, ["a"] * 12, [None] * 12)  # 1 in 3 succeeds
+        assert scattered.info["reward/errors"] == 8
+        with pytest.raises(RewardError, match=r"failed on sample 2 .*ZeroDivisionError.*; 3 errors in a row "
+                                              r"\(rewards.max_consecutive_errors: 3\): fix it, or raise the limit"):
+            rewards(["raise"] * 4, ["a"] * 4, [None] * 4)
+
+
+def test_drop_sample_leaves_the_sample_out_and_other_sources_too():
+    with _sources(on_error="drop_sample", remote=[]) as rewards:
+        scores = rewards(["ok", "nan", "ok"], ["ab", "ab", "abc"], [None] * 3)
+    assert scores.keep.tolist() == [True, False, True] and scores.total.tolist() == [2.0, 0.0, 3.0]
+    assert scores.info["reward/dropped"] == 1
+
+
+def test_an_endpoint_that_is_down_and_a_failing_reward_model_are_errors_of_their_call():
+    from elasticrl.rewards.sources import RewardError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/"
+
+    def model_down():
+        raise RuntimeError("reward_model rank 0 died (ActorDiedError)")
+
+    with _sources(remote=[{"url": url, "timeout_s": 0.5, "retries": 0}], max_consecutive_errors=2) as rewards:
+        scores = rewards(["ok", "ok"], ["a", "bb"], [None, None], models=[(model_down, 1.0),
+                                                                          (lambda: torch.tensor([1.0, float("inf")]), 1.0)])
+        # the function's values stand; the endpoint and the first model lost the batch, the second one sample
+        assert scores.total.tolist() == [2.0, 2.0]
+        assert scores.info == {"reward/errors": 5, "reward/errors/moody": 0, "reward/errors/remote0": 2,
+                               "reward/errors/model0": 2, "reward/errors/model1": 1}
+        with pytest.raises(RewardError, match=rf"reward endpoint {url} failed on the batch of step 2: "
+                                              r"RuntimeError: reward endpoint .* failed 1 times"):
+            rewards(["ok"], ["a"], [None], where="step 2")
+
+
+def test_a_reward_function_that_does_not_import_fails_at_start_naming_it():
+    from elasticrl.rewards.sources import RewardSources
+    from elasticrl.spec import load_spec
+
+    spec = load_spec({"algorithm": "grpo", "rewards": {"functions": [{"path": "no_such_module:score"}]}})
+    with pytest.raises(ValueError, match=r"^rewards.functions\[0\].path: cannot import 'no_such_module:score'"):
+        with RewardSources(spec):
+            pass

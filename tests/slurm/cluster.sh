@@ -153,7 +153,9 @@ SlurmdUser=root
 SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCK
+# cred_expire also sets how long Slurm holds a requeued job before it may start again
+# (default 120 s): 20 s keeps the tests' restart-on-requeue runs short
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=20
 StateSaveLocation=$DIR/spool/ctld
 SlurmdSpoolDir=$DIR/spool/d-%n
 SlurmctldPidFile=$RUN/slurmctld.pid

@@ -1,0 +1,84 @@
+"""Reward functions in a process of their own (``elasticrl.rewards.child``): a call that
+hangs is stopped at ``rewards.timeout_s`` (the process is killed by its PID and started
+again), one that crashes the process costs that call only; the driver never runs user
+reward code itself. Each call's outcome is a number or the error it ended in."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+class FunctionProcess:
+    def __init__(self, paths: list[str], timeout_s: float):
+        self.paths, self.timeout_s = paths, timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._buffer = b""
+
+    def start(self) -> None:
+        """Start the process; a function that does not import is a ValueError naming it."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, sys.path)])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "elasticrl.rewards.child", *self.paths],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._buffer = b""
+        first = self._line(max(60.0, self.timeout_s))
+        if first is None or "ready" not in first:
+            self.close()
+            raise ValueError(first["e"] if first and "e" in first else
+                             f"the reward functions' process did not start ({', '.join(self.paths)})")
+
+    def __call__(self, index: int, items: list[list]) -> list[float | str]:
+        """Function ``index`` on each [prompt, completion, answer]: a float, or the error text."""
+        out: list[float | str] = []
+        while len(out) < len(items):
+            if self.proc is None:
+                self.start()
+            rest = items[len(out):]
+            try:
+                self.proc.stdin.write((json.dumps({"f": index, "items": rest}) + "\n").encode())
+                self.proc.stdin.flush()
+            except BrokenPipeError:  # it died after its last reply: a new one takes the calls
+                self.close()
+                continue
+            for _ in rest:
+                reply = self._line(self.timeout_s)
+                if reply is None:  # hung or dead: this call fails, the next ones go to a new process
+                    out.append(self._lost())
+                    break
+                out.append(reply["v"] if "v" in reply else reply["e"])
+        return out
+
+    def _line(self, timeout_s: float) -> dict | None:
+        """The next reply, or None when none came within ``timeout_s`` or the process ended."""
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _lost(self) -> str:
+        code = self.proc.poll()
+        what = (f"timed out after {self.timeout_s:g} s (rewards.timeout_s)" if code is None else
+                f"the reward process died ({'signal ' + signal.Signals(-code).name if code < 0 else f'exit {code}'})")
+        self.close()
+        return what
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+            self.proc = None

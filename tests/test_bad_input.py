@@ -1,0 +1,162 @@
+"""Bad input, table-driven: each case is what a user could type or hand over. Each must end
+with its exit code and one line (``error: ...``) naming the field or the file, no traceback,
+before any worker starts, and leave nothing in a fresh output folder. The commands run in
+this process (the real typer app, as ``elasticrl`` runs it) to keep the suite to seconds."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES
+
+GRPO, DPO, SFT, RM = (str(EXAMPLES / f"tiny_{n}.yaml") for n in ("grpo", "dpo", "sft", "rm"))
+GOOD_RL = '{"prompt": "1+1=", "answer": "2"}\n'
+GOOD_PAIR = '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+
+
+def _file(name: str, content: str | bytes):
+    """A setup step: write ``content`` to tmp/NAME; the case's args name it as {NAME}."""
+    def make(tmp: Path) -> None:
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return make
+
+
+def _checkpoint(files: dict[str, str | bytes]):
+    def make(tmp: Path) -> None:
+        for name, content in files.items():
+            _file(f"ckpt/{name}", content)(tmp)
+    return make
+
+
+STATE = json.dumps({"format": 2, "step": 2, "spec": {}})
+# (id, setup steps, command line ({tmp} is the case's folder), exit code, what the line must say)
+CASES = [
+    # the spec file itself
+    ("spec-missing", [], ["run", "{tmp}/nope.yaml"], 2, "{tmp}/nope.yaml not found"),
+    ("spec-is-a-folder", [_file("d/x", "")], ["run", "{tmp}/d"], 2, "{tmp}/d is a folder"),
+    ("spec-binary", [_file("s.yaml", b"\x89PNG\r\n\x1a\n\x00\x92")], ["run", "{tmp}/s.yaml"], 2, "not a text file"),
+    ("spec-empty", [_file("s.yaml", "# nothing\n")], ["run", "{tmp}/s.yaml"], 2, "{tmp}/s.yaml: the spec is empty"),
+    ("spec-bad-yaml", [_file("s.yaml", "train: [1,\n")], ["run", "{tmp}/s.yaml"], 2, "not valid YAML"),
+    ("spec-duplicate-key", [_file("s.yaml", "algorithm: sft\nseed: 1\nseed: 2\n")], ["run", "{tmp}/s.yaml"], 2,
+     "line 3, column 1: not valid YAML (field 'seed' is written twice (first at line 2)"),
+    ("spec-a-list", [_file("s.yaml", "- algorithm: sft\n")], ["run", "{tmp}/s.yaml"], 2,
+     "the top level must be a mapping"),
+    ("field-typo", [], ["run", GRPO, "--set", "trian.lr=1"], 2, "trian: unknown field; did you mean 'train'?"),
+    ("nested-typo", [], ["run", GRPO, "--set", "train.lrr=1"], 2, "train.lrr: unknown field; did you mean 'lr'?"),
+    ("algorithm-typo", [], ["run", GRPO, "--set", "algorithm=grop"], 2, "did you mean 'grpo'?"),
+    ("lr-nan", [], ["run", GRPO, "--set", "train.lr=.nan"], 2, "train.lr: expected a finite number > 0, got nan"),
+    ("lr-inf", [], ["run", GRPO, "--set", "train.lr=.inf"], 2, "train.lr: expected a finite number"),
+    ("lr-negative", [], ["run", GRPO, "--set", "train.lr=-1e-3"], 2, "train.lr: expected a number > 0"),
+    ("seed-huge", [], ["run", GRPO, "--set", "seed=100000000000000000000000000"], 2,
+     "seed: expected an integer in [0, 4294967295]"),
+    ("seed-negative", [], ["run", GRPO, "--set", "seed=-1"], 2, "seed: expected an integer in [0, 4294967295]"),
+    ("int-is-bool", [], ["run", GRPO, "--set", "train.micro_batch_size=true"], 2, "train.micro_batch_size"),
+    ("int-is-text", [], ["run", GRPO, "--set", "rl.num_steps=ten"], 2, "rl.num_steps: expected a positive integer"),
+    ("section-is-list", [], ["run", GRPO, "--set", "train=[1, 2]"], 2, "train: expected a section"),
+    ("batch-not-a-multiple", [], ["run", GRPO, "--set", "train.global_batch_size=7"], 2, "train.global_batch_size"),
+    ("tp-not-dividing", [], ["run", GRPO, "--set", "train.tp_size=3"], 2, "train.tp_size: must divide"),
+    ("offload-without-zero3", [], ["run", GRPO, "--set", "train.offload_params=true", "--set",
+                                   "train.zero_stage=2"], 2, "train.offload_params: needs train.zero_stage: 3"),
+    ("temperature-zero", [], ["run", GRPO, "--set", "rl.temperature=0"], 2, "rl.temperature"),
+    ("min-tokens-too-many", [], ["run", GRPO, "--set", "rl.min_tokens=999"], 2, "rl.min_tokens: 999 is more than"),
+    ("model-path-missing", [], ["run", GRPO, "--set", "model.path={tmp}/no-model"], 2, "model.path: {tmp}/no-model"),
+    ("data-missing", [], ["run", GRPO, "--set", "data.train={tmp}/none.jsonl"], 2, "data.train: file {tmp}/none.jsonl"),
+    ("reward-not-a-path", [], ["run", GRPO, "--set", "rewards.functions=[{path: mymod.score}]"], 2,
+     "rewards.functions[0].path: 'mymod.score' is not an import path"),
+    ("reward-not-importable", [], ["run", GRPO, "--set", "rewards.functions=[{path: 'no_such_mod:score'}]"], 2,
+     "rewards.functions[0].path: cannot import 'no_such_mod:score'"),
+    ("reward-url", [], ["run", GRPO, "--set", "rewards.remote=[{url: 'ftp://x'}]"], 2, "rewards.remote[0].url"),
+    ("reward-model-missing", [], ["run", GRPO, "--set", "rewards.models=[{path: '{tmp}/rm'}]"], 2,
+     "rewards.models[0].path"),
+    ("on-error-typo", [], ["run", GRPO, "--set", "rewards.on_error=skip"], 2,
+     "rewards.on_error: expected one of 'fail', 'zero', 'drop_sample'"),
+    ("reward-timeout-zero", [], ["run", GRPO, "--set", "rewards.timeout_s=0"], 2, "rewards.timeout_s"),
+    ("set-without-value", [], ["run", GRPO, "--set", "train.lr"], 2, "--set 'train.lr': expected FIELD.PATH=VALUE"),
+    ("set-into-a-leaf", [], ["run", GRPO, "--set", "seed.x=1"], 2, "seed: --set 'seed.x=1': this field is not a section"),
+    # the output folder
+    ("output-is-a-file", [_file("out", "mine\n")], ["run", GRPO], 2, "--output {tmp}/out is a file"),
+    ("output-under-a-file", [_file("f", "mine\n")], ["run", GRPO, "--output", "{tmp}/f/run"], 2,
+     "--output {tmp}/f/run: Not a directory"),
+    # data files: named with their line, before Ray starts
+    ("rl-data-bare-number", [_file("d.jsonl", GOOD_RL + "5\n")], ["run", GRPO, "--set", "data.train={tmp}/d.jsonl"], 2,
+     "{tmp}/d.jsonl:2: expected a JSON object (one record per line), got int 5"),
+    ("rl-data-not-utf8", [_file("d.jsonl", GOOD_RL.encode() + b'{"prompt": "\xff"}\n')],
+     ["run", GRPO, "--set", "data.train={tmp}/d.jsonl"], 2, "{tmp}/d.jsonl:2: not UTF-8 text"),
+    ("rl-data-bad-json", [_file("d.jsonl", "{prompt: 1}\n")], ["run", GRPO, "--set", "data.train={tmp}/d.jsonl"], 2,
+     "{tmp}/d.jsonl:1: not valid JSON"),
+    ("rl-data-missing-key", [_file("d.jsonl", '{"question": "1+1="}\n')],
+     ["run", GRPO, "--set", "data.train={tmp}/d.jsonl"], 2, "{tmp}/d.jsonl:1: missing key(s) ['prompt', 'answer']"),
+    ("rl-eval-empty", [_file("e.jsonl", "\n\n")], ["run", GRPO, "--set", "data.eval={tmp}/e.jsonl"], 2,
+     "{tmp}/e.jsonl: no records"),
+    ("dpo-data-bare-list", [_file("p.jsonl", GOOD_PAIR + "[1, 2]\n")], ["run", DPO, "--set", "data.train={tmp}/p.jsonl"],
+     2, "{tmp}/p.jsonl:2: expected a JSON object"),
+    ("dpo-eval-missing-key", [_file("p.jsonl", '{"prompt": "1+1=", "chosen": "2"}\n')],
+     ["run", DPO, "--set", "data.eval={tmp}/p.jsonl"], 2, "{tmp}/p.jsonl:1: missing key(s) ['rejected']"),
+    ("sft-data-not-utf8", [_file("s.jsonl", b'{"prompt": "a", "response": "\xc3"}\n')],
+     ["run", SFT, "--set", "data.train={tmp}/s.jsonl"], 2, "{tmp}/s.jsonl:1: not UTF-8 text"),
+    ("rm-data-bare-string", [_file("r.jsonl", '"a pair"\n')], ["run", RM, "--set", "data.train={tmp}/r.jsonl"], 2,
+     "{tmp}/r.jsonl:1: expected a JSON object"),
+    # checkpoints to resume
+    ("resume-not-a-checkpoint", [_file("ckpt/x.txt", "")], ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2,
+     "checkpoint.resume: {tmp}/ckpt is not a checkpoint folder (no trainer_state.json)"),
+    ("resume-corrupt-state", [_checkpoint({"trainer_state.json": "{\"step\": 2,"})],
+     ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2, "{tmp}/ckpt/trainer_state.json: not valid JSON"),
+    ("resume-holds-a-pickle", [_checkpoint({"trainer_state.json": STATE, "actor/optim.pt": b"\x80\x04K\x01."})],
+     ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2,
+     "checkpoint.resume: {tmp}/ckpt/actor/optim.pt is not a file elasticrl writes"),
+    ("resume-older-format", [_checkpoint({"trainer_state.json": json.dumps({"step": 2, "spec": {}})})],
+     ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2, "is of checkpoint format 1"),
+    # the planner's figures
+    ("plan-gpu-mem-negative", [], ["plan", GRPO, "--gpus", "4", "--gpu-mem", "-5"], 2,
+     "--gpu-mem: expected a number of GB > 0, got -5"),
+    ("plan-nodes-not-dividing", [], ["plan", GRPO, "--gpus", "4", "--gpu-mem", "24", "--nodes", "3"], 2,
+     "--nodes: expected an integer >= 1 that divides --gpus (4), got 3"),
+    ("plan-gpus-zero", [], ["plan", GRPO, "--gpus", "0", "--gpu-mem", "24"], 2, "--gpus: expected an integer >= 1"),
+    ("launch-gpu-mem-zero", [], ["launch", GRPO, "--dryrun", "--gpus", "2", "--gpu-mem", "0"], 2,
+     "--gpu-mem: expected a number of GB > 0"),
+    ("scale-no-run", [], ["scale", "{tmp}/no-run", "--engines", "2"], 2, "{tmp}/no-run"),
+]
+
+
+@pytest.mark.parametrize("case, setup, args, code, says", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_in_one_line_naming_it(case, setup, args, code, says, tmp_path, capsys):
+    from elasticrl.cli import app
+
+    for step in setup:
+        step(tmp_path)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if args[0] == "run" and "--output" not in args:
+        args += ["--output", str(tmp_path / "out")]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_:
+        app(args, prog_name="elasticrl")
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if ln.strip()]
+    assert exit_.value.code == code, out.err
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.err
+    assert "Traceback" not in out.err + out.out
+    assert says.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
+    # nothing half-written: the case's folder holds what it held before
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_suite_is_at_least_forty_cases_of_distinct_kinds():
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_spec_field_error_never_starts_a_worker(tmp_path, capsys):
+    """A bad reward path is found before Ray: no Ray temp folder of this process appears."""
+    from elasticrl.cli import app
+    from elasticrl.files import OWNER_MARK
+
+    mine = lambda: [p for p in Path("/tmp").glob("erl-ray-*")  # noqa: E731
+                    if (p / OWNER_MARK).is_file() and (p / OWNER_MARK).read_text().split()[0] == str(os.getpid())]
+    with pytest.raises(SystemExit):
+        app(["run", GRPO, "--output", str(tmp_path / "o"), "--set", "rewards.functions=[{path: 'no_mod:f'}]"],
+            prog_name="elasticrl")
+    assert mine() == [] and "cannot import" in capsys.readouterr().err
