@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+from datetime import timedelta
 from functools import lru_cache
 
 import torch
@@ -131,3 +133,20 @@ def cpu_rollout_mode(requested: str) -> str:
     dense decoding was 12-25 % slower while the repack cost ~1 s per GB synced
     (benchmarks/rollout.py, benchmarks/weight_sync.py)."""
     return "packed" if requested == "auto" else requested
+
+
+def tcp_store(addr: str, port: int, world_size: int, rank: int, timeout_s: float):
+    """The rendezvous store of a process group, its server on rank 0. torch's own server
+    listens on every interface; this one listens on ``addr`` alone (127.0.0.1 when the job
+    is on one machine), through a socket bound here and handed over."""
+    import torch.distributed as dist
+
+    fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(128)
+        fd = sock.detach()  # the store owns it from here
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=fd)

@@ -35,6 +35,8 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
         error(problem)
         return 2
     fresh = not output.is_dir() or not any(output.iterdir())
+    if job.ray.address == "local":
+        localhost_only()
     code = _run(job, output)
     if code and fresh:
         _remove_what_a_failed_run_began(output)
@@ -119,6 +121,14 @@ def _remove_what_a_failed_run_began(output: Path) -> None:
         output.rmdir()  # only when empty
     except OSError:
         pass
+
+
+def localhost_only() -> None:
+    """A run of its own Ray on one machine listens on 127.0.0.1 only: every Ray server, agent
+    and metrics endpoint binds where Ray's node address is, and Ray takes the loopback one
+    when its flag for one-machine clusters is off (read once, when Ray is first imported)."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def quiet_libraries() -> None:

@@ -33,7 +33,30 @@ def _checkpoint(files: dict[str, str | bytes]):
     return make
 
 
+def _model(**changes: str | bytes | None):
+    """A setup step: tmp/model, a copy of the tiny world's model folder with files changed
+    (bytes or text), cut to half their size (``"half"``) or removed (None)."""
+    def make(tmp: Path) -> None:
+        import shutil
+
+        from elasticrl.spec import load_spec
+        from elasticrl.world.build import world_paths
+
+        folder = tmp / "model"
+        shutil.copytree(world_paths(load_spec(GRPO).world)["model"], folder)
+        for name, content in changes.items():
+            path = folder / name.replace("__", ".")
+            if content is None:
+                path.unlink()
+            elif content == "half":
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+            else:
+                path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return make
+
+
 STATE = json.dumps({"format": 2, "step": 2, "spec": {}})
+INDEX = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
 # (id, setup steps, command line ({tmp} is the case's folder), exit code, what the line must say)
 CASES = [
     # the spec file itself
@@ -111,6 +134,36 @@ CASES = [
      "checkpoint.resume: {tmp}/ckpt/actor/optim.pt is not a file elasticrl writes"),
     ("resume-older-format", [_checkpoint({"trainer_state.json": json.dumps({"step": 2, "spec": {}})})],
      ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2, "is of checkpoint format 1"),
+    # model folders, before any worker loads them
+    ("model-no-config", [_model(config__json=None)], ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
+     "model.path: {tmp}/model has no config.json"),
+    ("model-bad-config", [_model(config__json="{\"hidden_size\": ")], ["run", GRPO, "--set", "model.path={tmp}/model"],
+     2, "model.path: {tmp}/model/config.json: not valid JSON"),
+    ("model-no-weights", [_model(model__safetensors=None)], ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
+     "model.path: {tmp}/model has no weights (no *.safetensors)"),
+    ("model-pickled-weights", [_model(model__safetensors=None, pytorch_model__bin=b"\x80\x04K\x01.")],
+     ["run", GRPO, "--set", "model.path={tmp}/model"], 2, "holds only pickled weights (pytorch_model.bin)"),
+    ("model-cut-short", [_model(model__safetensors="half")], ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
+     "model.path: {tmp}/model/model.safetensors is cut short"),
+    ("model-not-safetensors", [_model(model__safetensors=b"\x10\x00\x00\x00\x00\x00\x00\x00not json here!!!")],
+     ["run", GRPO, "--set", "model.path={tmp}/model"], 2, "model.safetensors: not a safetensors file"),
+    ("model-shard-missing", [_model(model__safetensors__index__json=INDEX)],
+     ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
+     "model.path: {tmp}/model lacks model-00001-of-00002.safetensors, named in model.safetensors.index.json (and 1 more)"),
+    ("model-bad-tokenizer", [_model(tokenizer__json="{not json")], ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
+     "model.path: {tmp}/model: the tokenizer does not load"),
+    ("critic-no-weights", [_model(model__safetensors=None)], ["run", str(EXAMPLES / "tiny_ppo.yaml"), "--set",
+                                                              "critic.path={tmp}/model"], 2, "critic.path: {tmp}/model has no weights"),
+    ("rollout-tp-too-big", [], ["run", GRPO, "--set", "rollout.tp_size=64"], 2,
+     "rollout.tp_size: 64 does not divide the model's 4 attention heads and 2 key-value heads (the tiny 2m model); "
+     "use one of [1, 2, 4]"),
+    ("train-tp-kv-heads", [], ["run", GRPO, "--set", "train.num_ranks=4", "--set", "train.tp_size=4"], 2,
+     "train.tp_size: 4 does not divide the model's 4 attention heads and 2 key-value heads"),
+    ("resume-without-weights", [_checkpoint({"trainer_state.json": STATE, "actor/engine_state.json": "{}",
+                                             "actor/config.json": "{}"})],
+     ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2, "checkpoint.resume: {tmp}/ckpt/actor has no weights"),
+    ("resume-without-a-role", [_checkpoint({"trainer_state.json": STATE})],
+     ["run", GRPO, "--set", "checkpoint.resume={tmp}/ckpt"], 2, "{tmp}/ckpt holds no trained role (actor/)"),
     # the planner's figures
     ("plan-gpu-mem-negative", [], ["plan", GRPO, "--gpus", "4", "--gpu-mem", "-5"], 2,
      "--gpu-mem: expected a number of GB > 0, got -5"),

@@ -45,7 +45,12 @@ def _checkpoint(tmp_path, spec, extra_files=()):
     folder = tmp_path / "checkpoints" / "step_0000004"
     (folder / "actor").mkdir(parents=True)
     write_trainer_state(folder, spec, {"step": 4})
-    (folder / "actor" / "model.safetensors").write_bytes(b"")
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, folder / "actor" / "model.safetensors")  # a whole role: weights, config, state
+    (folder / "actor" / "config.json").write_text("{}")
+    (folder / "actor" / "engine_state.json").write_text("{}")
     for name in extra_files:
         (folder / name).write_bytes(b"\x80\x04N.")  # a pickle of None
     return folder

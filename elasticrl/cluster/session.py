@@ -36,6 +36,15 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def sweep_leftovers() -> None:
+    """What this user's SIGKILLed runs left on this machine: their Ray folders and processes
+    (``files.sweep_orphans``) and the weight buffers of their dead processes in /dev/shm."""
+    from elasticrl.weights.shm import remove_stale
+
+    sweep_orphans("erl-ray-*")
+    remove_stale()
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised as an interrupt: the run stops as it does on Ctrl-C (Ray shut down, the
     temp folder removed, the exit code 143)."""
@@ -60,7 +69,7 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
         # Short path: Ray's socket names must fit in 107 bytes. A folder private to the user
         # (Ray opens its own temp dir to everyone), marked as this run's: a later run removes
         # it if this one is SIGKILLed.
-        sweep_orphans("erl-ray-*")
+        sweep_leftovers()
         temp_dir = str(owned_dir(tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")))
         ray_dir = os.path.join(temp_dir, "r")
         num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
@@ -78,5 +87,8 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         ray.shutdown()
+        from elasticrl.weights.shm import remove_stale
+
+        remove_stale()  # the weight buffers of this run's engines, killed ones' too
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)

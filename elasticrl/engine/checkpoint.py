@@ -39,6 +39,22 @@ MAY_CHANGE = ("train.max_steps", "train.num_epochs", "rl.num_steps", "rounds.num
               "rollout.hang_factor", "fault.")
 
 
+def _check_roles(folder: Path) -> None:
+    """Each trained role's folder is whole: its engine state, config and weights."""
+    from elasticrl.engine.state import ENGINE_STATE
+    from elasticrl.models.check import check_model_folder
+
+    roles = [p for p in sorted(folder.iterdir()) if p.is_dir()]
+    if not roles:
+        raise ValueError(f"checkpoint.resume: {folder} holds no trained role (actor/); the checkpoint is incomplete: "
+                         "resume from another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
+    for role in roles:
+        if not (role / ENGINE_STATE).is_file():
+            raise ValueError(f"checkpoint.resume: {role} has no {ENGINE_STATE}; the checkpoint is incomplete: resume "
+                             "from another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
+        check_model_folder(role, "checkpoint.resume", tokenizer=False)
+
+
 def write_trainer_state(folder: Path, spec, state: dict) -> None:
     """``trainer_state.json``: ``state`` plus the format, the code version and the spec."""
     from elasticrl.spec import spec_to_dict
@@ -69,6 +85,8 @@ def check_resumable(folder: Path, spec) -> dict:
         if path.is_file() and path.suffix not in SAFE_SUFFIXES:
             raise ValueError(f"checkpoint.resume: {path} is not a file elasticrl writes (only safetensors and JSON); "
                              "refusing to resume from a folder that holds it (a pickle could run code)")
+    if state.get("format") == FORMAT:
+        _check_roles(folder)
     if state.get("format") != FORMAT:
         raise ValueError(f"checkpoint.resume: {folder} is of checkpoint format {state.get('format', 1)} "
                          f"(elasticrl {state.get('elasticrl', '< 0.2')}); this elasticrl reads format {FORMAT}: "

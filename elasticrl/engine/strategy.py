@@ -25,8 +25,13 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     if master_addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import deepspeed
+    import torch.distributed as dist
 
     backend.set_local_device(int(os.environ["LOCAL_RANK"]))
+    # the group on a store listening on the master's address only; DeepSpeed adopts it
+    store = backend.tcp_store(master_addr, master_port, world_size, rank, timeout_s)
+    dist.init_process_group(backend.dist_backend(), store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     deepspeed.init_distributed(dist_backend=backend.dist_backend(), timeout=timedelta(seconds=timeout_s),
                                rank=rank, world_size=world_size, auto_mpi_discovery=False)
 

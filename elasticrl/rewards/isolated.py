@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+EOF = "eof"  # what _line answers once the process's output has closed
+
 
 class FunctionProcess:
     def __init__(self, paths: list[str], timeout_s: float):
@@ -46,14 +48,14 @@ class FunctionProcess:
                 continue
             for _ in rest:
                 reply = self._line(self.timeout_s)
-                if reply is None:  # hung or dead: this call fails, the next ones go to a new process
-                    out.append(self._lost())
+                if not isinstance(reply, dict):  # hung or dead: this call fails, the next ones go to a new process
+                    out.append(self._lost(ended=reply == EOF))
                     break
                 out.append(reply["v"] if "v" in reply else reply["e"])
         return out
 
-    def _line(self, timeout_s: float) -> dict | None:
-        """The next reply, or None when none came within ``timeout_s`` or the process ended."""
+    def _line(self, timeout_s: float) -> dict | str | None:
+        """The next reply; None when none came within ``timeout_s``, EOF when the process ended."""
         deadline = time.monotonic() + timeout_s
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
@@ -62,15 +64,17 @@ class FunctionProcess:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                return None
+                return EOF
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
-    def _lost(self) -> str:
-        code = self.proc.poll()
-        what = (f"timed out after {self.timeout_s:g} s (rewards.timeout_s)" if code is None else
-                f"the reward process died ({'signal ' + signal.Signals(-code).name if code < 0 else f'exit {code}'})")
+    def _lost(self, ended: bool) -> str:
+        if not ended:
+            what = f"timed out after {self.timeout_s:g} s (rewards.timeout_s)"
+        else:
+            code = self.proc.wait()  # its output closed: it is exiting
+            what = f"the reward process died ({f'signal {-code}' if code < 0 else f'exit {code}'})"
         self.close()
         return what
 

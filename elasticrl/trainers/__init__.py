@@ -13,9 +13,12 @@ def run_job(spec: JobSpec, output: Path) -> dict:
     summary comes back), one that stopped resumes from its newest checkpoint."""
     from elasticrl.trainers.loop import finished_run, mark_finished
 
+    from elasticrl.models.check import check_job_models
+
     done = finished_run(spec, output)
     if done is not None:
         return done
+    check_job_models(spec)  # model folders and tensor-parallel sizes, before Ray starts
     module, _, name = ALGORITHMS[spec.algorithm].trainer.partition(":")
     summary = getattr(importlib.import_module(module), name)(spec, output)
     mark_finished(spec, output, summary)

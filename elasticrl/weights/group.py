@@ -11,10 +11,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elasticrl.backend import tcp_store
+
 
 def new_group(addr: str, port: int, rank: int, world_size: int, backend_name: str, timeout_s: int):
-    store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = tcp_store(addr, port, world_size, rank, timeout_s)
     if backend_name == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from elasticrl.cluster.session import sweep_leftovers
 from elasticrl.files import OWNER_MARK, _processes_naming, sweep_orphans
 from tests.conftest import EXAMPLES, ROOT
 from tests.integration.faults import logged_step
+from tests.integration.test_launch import _descendants
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +45,36 @@ def _running(tmp_path, step: int) -> tuple[subprocess.Popen, Path]:
     return proc, folder()[0]
 
 
+def _listening(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket that a process in ``pids`` listens on, from /proc."""
+    import ipaddress
+
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = ipaddress.ip_address(raw)
+            if addr.version == 6 and addr.ipv4_mapped:
+                addr = addr.ipv4_mapped
+            found.append((owner[fields[9]], str(addr), int(hex_port, 16)))
+    return found
+
+
 def _gone(folder: Path, within_s: float) -> bool:
     deadline = time.time() + within_s
     while time.time() < deadline:
@@ -52,9 +84,17 @@ def _gone(folder: Path, within_s: float) -> bool:
     return False
 
 
-def test_sigterm_ends_the_run_in_one_line_and_leaves_nothing(tmp_path):
+def test_a_run_listens_on_localhost_only_and_sigterm_ends_it_leaving_nothing(tmp_path):
     proc, folder = _running(tmp_path, 1)
     assert folder.stat().st_mode & 0o777 == 0o700  # private to the user while it runs
+    # every server of the run (Ray's, its agents' and metrics endpoints, every worker's, the
+    # trainers' process group, the weight group's) listens on the loopback address only, and
+    # the dashboard's web port is not open
+    run = {proc.pid, *_processes_naming(str(folder)), *(p for p, _ in _descendants(proc.pid))}
+    sockets = _listening(run)
+    assert len(sockets) >= 10 and {addr for _, addr, _ in sockets} == {"127.0.0.1"}, sockets
+    assert 8265 not in {port for _, _, port in sockets}, sockets
+    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if int(p.name.split("-")[-2]) in run]
     t0 = time.time()
     os.kill(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -62,7 +102,9 @@ def test_sigterm_ends_the_run_in_one_line_and_leaves_nothing(tmp_path):
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)"), err[-3000:]
     assert _gone(folder, 10), (folder, _processes_naming(str(folder)))
-    print(f"SIGTERM: exit 143 in {took:.1f} s, Ray's folder and processes gone")
+    assert shm and not [p for p in shm if p.exists()]  # the engines' weight buffers in /dev/shm too
+    print(f"{len(sockets)} listening sockets, all on 127.0.0.1; SIGTERM: exit 143 in {took:.1f} s, Ray's folder, "
+          f"processes and {len(shm)} /dev/shm buffer(s) gone")
 
 
 def test_what_a_sigkilled_run_left_is_swept_by_the_next_and_only_that(tmp_path):
@@ -75,7 +117,8 @@ def test_what_a_sigkilled_run_left_is_swept_by_the_next_and_only_that(tmp_path):
     time.sleep(2)
     left = _processes_naming(str(folder))
     assert folder.exists()  # a SIGKILLed process cleans nothing
-    removed = sweep_orphans("erl-ray-*")  # what the next run does first
-    assert folder in removed and _gone(folder, 10), _processes_naming(str(folder))
+    sweep_leftovers()  # what the next run does first
+    assert _gone(folder, 10), _processes_naming(str(folder))
+    assert not [p for p in Path("/dev/shm").glob(f"elasticrl-*-{proc.pid}-*")]
     assert sweep_orphans("erl-ray-*", root=tmp_path) == [] and other.is_dir()
     print(f"SIGKILL left {len(left)} Ray process(es) and {folder}; the next run's sweep removed them")

@@ -134,13 +134,13 @@ def test_a_reward_function_that_raises_hangs_crashes_or_gives_no_number_costs_th
     ("none", "returned NoneType 'None', not a number"),
     ("text", "returned str 'high', not a number"),
     ("nan", "returned nan"),
-    ("sleep", "timed out after 0.5 s (rewards.timeout_s)"),
+    ("sleep", "timed out after 2 s (rewards.timeout_s)"),
     ("crash", "the reward process died (exit 3)"),
 ])
 def test_on_error_fail_names_the_function_the_sample_and_the_cause(prompt, cause):
     from elasticrl.rewards.sources import RewardError
 
-    with _sources(on_error="fail", timeout_s=0.5) as rewards:
+    with _sources(on_error="fail", timeout_s=2.0) as rewards:
         with pytest.raises(RewardError) as err:
             rewards(["ok", prompt], ["a", "b"], [None, None], where="step 3")
     assert str(err.value) == (f"reward function {MOODY} failed on sample 1 of step 3 (prompt {prompt!r}): {cause} "
