@@ -193,7 +193,7 @@ def head(ns: argparse.Namespace) -> int:
         for attempt in range(3):
             port = _free_port()
             ray_args = ["--head", "--port", str(port), "--node-ip-address", ip, "--num-cpus", str(ns.cpus),
-                        "--num-gpus", str(ns.gpus), "--temp-dir", str(temp), "--dashboard-host", "127.0.0.1",
+                        "--num-gpus", str(ns.gpus), "--temp-dir", str(temp / "r"), "--dashboard-host", "127.0.0.1",
                         "--include-dashboard", "false"]
             _log(f"starting Ray head on {ip}:{port}")
             proc = _start_ray(ray_args, ns.app_id, log_path)
@@ -275,7 +275,7 @@ def worker(ns: argparse.Namespace) -> int:
     # or two raylets starting together race for the same socket names.
     sweep_orphans("erl-*")
     temp = owned_dir(f"{_temp_dir(ns.app_id)}-{ns.pool}-{os.getpid()}")
-    args += ["--temp-dir", str(temp)]
+    args += ["--temp-dir", str(temp / "r")]  # inside a folder private to the user: Ray opens its own to all
     _log(f"joining the Ray head at {address} as pool {ns.pool!r}")
     proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.pool}-{os.getpid()}.log")
     lost_since = None

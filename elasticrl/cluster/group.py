@@ -6,6 +6,7 @@ a dead rank otherwise leaves its peers blocked in a collective until the timeout
 """
 from __future__ import annotations
 
+import re
 import socket
 import time
 import uuid
@@ -34,6 +35,21 @@ class RoleError(RuntimeError):
         super().__init__(message)
         self.role, self.ranks, self.lost = role, ranks, lost
         self.what = what or message.splitlines()[0]  # in a few words, for a console line
+
+
+_ERROR_LINE = re.compile(r"^\s*([\w.]*(?:Error|Exception)): (.+)$", re.M)
+
+
+def root_cause(exc: BaseException) -> str:
+    """The error behind a Ray failure as 'Type: message'. An actor that died in its
+    constructor carries the constructor's traceback only as text: its last error line."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip()
+    if isinstance(cause, ray.exceptions.RayActorError):
+        found = _ERROR_LINE.findall(text)
+        if found and found[-1][0].rsplit(".", 1)[-1] not in ("ActorDiedError", "RayActorError"):
+            return f"{found[-1][0].rsplit('.', 1)[-1]}: {found[-1][1].strip()}"
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _free_address(_self) -> tuple[str, int]:
@@ -143,7 +159,7 @@ class RoleGroup:
                         done, exc = [dead[0]], dead[1]
                 cause = getattr(exc, "cause", None) or exc
                 lost = isinstance(exc, ray.exceptions.RayActorError)
-                raise RoleError(f"{self.role} rank {rank_of[done[0]]} failed: {type(cause).__name__}: {cause}",
+                raise RoleError(f"{self.role} rank {rank_of[done[0]]} failed: {root_cause(exc)}",
                                 self.role, [rank_of[done[0]]], lost=lost,
                                 what=f"{self.role} rank {rank_of[done[0]]} died ({type(cause).__name__})" if lost
                                 else None) from exc

@@ -64,24 +64,23 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
         return
     env = worker_env()
     os.environ.update(env)  # the local raylet and its workers inherit the driver's env
-    temp_dir = None
-    if spec.address == "local":
-        # Short path: Ray's socket names must fit in 107 bytes. A folder private to the user
-        # (Ray opens its own temp dir to everyone), marked as this run's: a later run removes
-        # it if this one is SIGKILLed.
-        sweep_leftovers()
-        temp_dir = str(owned_dir(tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")))
-        ray_dir = os.path.join(temp_dir, "r")
-        num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
-        ray.init(address="local", _temp_dir=ray_dir, include_dashboard=False, num_cpus=num_cpus,
-                 logging_level=logging.WARNING, log_to_driver=True,
-                 runtime_env={"env_vars": env})
-    else:
-        ray.init(address=spec.address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
-    # ray.init installs a SIGTERM handler that ends the process at once, skipping the cleanup
+    temp_dir = previous = None
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
-    try:
+    try:  # from here on an interrupt cleans up (Ctrl-C even inside ray.init; SIGTERM once Ray is up)
+        if spec.address == "local":
+            # Short path: Ray's socket names must fit in 107 bytes. A folder private to the user
+            # (Ray opens its own temp dir to everyone), marked as this run's: a later run removes
+            # it if this one is SIGKILLed.
+            sweep_leftovers()
+            temp_dir = str(owned_dir(tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")))
+            num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
+            ray.init(address="local", _temp_dir=os.path.join(temp_dir, "r"), include_dashboard=False,
+                     num_cpus=num_cpus, logging_level=logging.WARNING, log_to_driver=True,
+                     runtime_env={"env_vars": env})
+        else:
+            ray.init(address=spec.address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+        # ray.init installs a SIGTERM handler that ends the process at once, skipping the cleanup
+        previous = signal.signal(signal.SIGTERM, _terminate) if main else None
         yield
     finally:
         if previous is not None:

@@ -66,11 +66,15 @@ def write_trainer_state(folder: Path, spec, state: dict) -> None:
 def read_trainer_state(folder: Path) -> dict:
     path = Path(folder) / STATE_FILE
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}); the checkpoint is damaged: "
-                         "resume from another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)") \
-            from None
+        state = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        what = f"{exc.msg}, line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise ValueError(f"{path}: not valid JSON ({what}); the checkpoint is damaged: resume from another "
+                         "(checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{path}: not a trainer state (no step); the checkpoint is damaged: resume from another "
+                         "(checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
+    return state
 
 
 def check_resumable(folder: Path, spec) -> dict:

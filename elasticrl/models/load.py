@@ -40,7 +40,7 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
 
     keep_alive = _zero3_context(ds_config)
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
     del keep_alive
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -63,7 +63,7 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
     from transformers import AutoModelForCausalLM
 
     keep_alive = _zero3_context(ds_config)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                                 use_safetensors=True)  # never a pickled checkpoint
     del keep_alive
     return model

@@ -49,6 +49,7 @@ class RolloutEngine:
                        # a restarted engine must not replay the samples of its first life
                        seed=a["seed"] + 1000 * self.incarnation, max_model_len=a["max_model_len"], trust_remote_code=a["trust_remote_code"],
                        worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver",
+                       load_format="safetensors",  # never a pickled checkpoint
                        # the sampled tokens' log-probs under the distribution they were drawn from
                        # (after temperature, top-k, top-p), as the trainer scores them
                        logprobs_mode="processed_logprobs",

@@ -27,7 +27,7 @@ class HFRolloutEngine:
         self.dtype = backend.resolve_dtype(dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32 if self.dtype == "fp32" else torch.bfloat16,
-            trust_remote_code=trust_remote_code).to(backend.current_device()).eval()
+            trust_remote_code=trust_remote_code, use_safetensors=True).to(backend.current_device()).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.params = dict(self.model.named_parameters())
         self.max_model_len = max_model_len

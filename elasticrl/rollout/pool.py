@@ -11,6 +11,7 @@ import ray
 
 from elasticrl import backend
 from elasticrl.cluster import RoleError, RoleGroup
+from elasticrl.cluster.group import root_cause
 from elasticrl.data.records import row_share
 from elasticrl.rollout.hf_engine import HFRolloutEngine
 from elasticrl.rollout.engine import RolloutEngine
@@ -156,8 +157,7 @@ class RolloutPool:
                 self._dispatch(work, items)
                 continue
             except Exception as exc:  # an error of the request itself: every engine would fail it
-                cause = getattr(exc, "cause", None) or exc
-                raise RoleError(f"rollout engine {slot} failed: {type(cause).__name__}: {cause}") from exc
+                raise RoleError(f"rollout engine {slot} failed: {root_cause(exc)}") from exc
             seconds = time.time() - t0
             tokens = sum(len(r["token_ids"]) for r in out)
             if seconds > 0 and tokens:

@@ -1,7 +1,8 @@
-"""The driver stopped from outside, on the real stack: SIGTERM ends the run in one line with
-exit code 143 and leaves no Ray process or temp folder behind; after a SIGKILL, which nothing
-can catch, the next run sweeps what that run left (its own folder, marked with the dead
-driver's PID, and the Ray processes naming it) and nothing else."""
+"""The driver stopped from outside, on the real stack: SIGTERM and SIGINT end the run in one
+line (exit codes 143, 130) and leave no Ray process, temp folder or /dev/shm buffer behind;
+after a SIGKILL, which nothing can catch, the next run sweeps what that run left (its own
+folder, marked with the dead driver's PID, and the Ray processes naming it) and nothing
+else. While it runs, the run listens on 127.0.0.1 only."""
 from __future__ import annotations
 
 import os
@@ -122,3 +123,13 @@ def test_what_a_sigkilled_run_left_is_swept_by_the_next_and_only_that(tmp_path):
     assert not [p for p in Path("/dev/shm").glob(f"elasticrl-*-{proc.pid}-*")]
     assert sweep_orphans("erl-ray-*", root=tmp_path) == [] and other.is_dir()
     print(f"SIGKILL left {len(left)} Ray process(es) and {folder}; the next run's sweep removed them")
+
+
+def test_ctrl_c_while_ray_starts_ends_the_run_in_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT (Ctrl-C) as soon as Ray's processes run, while its workers start."""
+    proc, folder = _running(tmp_path, -1)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted", err[-3000:]
+    assert _gone(folder, 10), (folder, _processes_naming(str(folder)))

@@ -134,6 +134,24 @@ def test_a_dead_rank_is_named_with_its_role(ray_cluster):
     assert ray.is_initialized()
 
 
+def test_a_rank_that_fails_in_its_constructor_is_reported_with_the_real_cause(ray_cluster):
+    class _Misconfigured:  # as vLLM refusing a tensor-parallel size it cannot shard
+        def __init__(self, *args):
+            raise ValueError("Total number of attention heads (4) must be divisible by tensor parallel size (64).")
+
+        def setup(self, *args):
+            return None
+
+    group = RoleGroup("rollout", _Misconfigured, 1)
+    try:
+        with pytest.raises(RoleError) as err:
+            group.setup()
+    finally:
+        group.shutdown()
+    assert str(err.value).splitlines()[0] == ("rollout rank 0 failed: ValueError: Total number of attention heads "
+                                              "(4) must be divisible by tensor parallel size (64).")
+
+
 def test_zero3_sharded_reference_scores_like_a_whole_one(ray_cluster):
     """With train.zero_stage 3 the reference's weights are sharded over its ranks; the
     log-probs must equal those of one rank holding the whole model, also when the ranks get
