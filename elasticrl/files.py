@@ -97,12 +97,26 @@ def started(pid: int) -> str | None:
         return None
 
 
+def mark_owner(mark: str | Path) -> None:
+    """Write ``mark``: this process's PID and start time."""
+    write_text(mark, f"{os.getpid()} {started(os.getpid())}\n")
+
+
+def owner_gone(mark: str | Path) -> bool:
+    """Whether the process ``mark`` names has ended (False when the mark cannot be read)."""
+    try:
+        pid, start = Path(mark).read_text().split()
+        return started(int(pid)) != start
+    except (OSError, ValueError):
+        return False
+
+
 def owned_dir(path: str | Path) -> Path:
     """``path`` as a folder private to this user (mode 0700), marked as this process's."""
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
-    (path / OWNER_MARK).write_text(f"{os.getpid()} {started(os.getpid())}\n")
+    mark_owner(path / OWNER_MARK)
     return path
 
 
@@ -116,10 +130,9 @@ def sweep_orphans(pattern: str, root: str | Path = "/tmp") -> list[Path]:
         try:
             if folder.lstat().st_uid != os.getuid() or not folder.is_dir():
                 continue
-            pid, start = (folder / OWNER_MARK).read_text().split()
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if started(int(pid)) == start:
+        if not owner_gone(folder / OWNER_MARK):  # alive, or not a folder elasticrl marked
             continue
         for orphan in _processes_naming(str(folder)):
             with contextlib.suppress(OSError):

@@ -32,7 +32,7 @@ import time
 import zlib
 from pathlib import Path
 
-from elasticrl.files import owned_dir, started, sweep_orphans, write_text
+from elasticrl.files import mark_owner, owned_dir, owner_gone, sweep_orphans, write_text
 from elasticrl.plan.roles import POOL_PREFIX
 
 DONE_KEY = b"elasticrl:done"
@@ -51,11 +51,7 @@ def owner_file(app_id: str) -> Path:
 
 def _sweep_dead_heads() -> None:
     for owner in Path(".elasticrl").glob("ray-owner-*"):
-        try:
-            pid, start = owner.read_text().split()
-        except (OSError, ValueError):
-            continue
-        if started(int(pid)) != start:
+        if owner_gone(owner):
             app_id = owner.name.removeprefix("ray-owner-")
             for path in (token_file(app_id), port_file(app_id), owner):
                 path.unlink(missing_ok=True)
@@ -176,7 +172,7 @@ def head(ns: argparse.Namespace) -> int:
     tok = token_file(ns.app_id)
     tok.parent.mkdir(parents=True, exist_ok=True)
     _sweep_dead_heads()
-    write_text(owner_file(ns.app_id), f"{os.getpid()} {started(os.getpid())}\n")
+    mark_owner(owner_file(ns.app_id))
     fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, secrets.token_hex(32).encode())
     os.close(fd)
