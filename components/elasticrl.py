@@ -14,14 +14,16 @@ import sys
 import torchx.specs as specs
 
 PYTHON = sys.executable
+ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # every node's
 
 
 def _pool_role(name: str, nodes: int, cpus: int, gpus: int, mem_gb: int, image: str, python: str,
-               output: str, timeout_s: int, env: dict, max_restarts: int, lost_s: int) -> specs.Role:
+               output: str, timeout_s: int, env: dict, max_restarts: int, lost_s: int,
+               app_id: str = specs.macros.app_id) -> specs.Role:
     return specs.Role(
         name=name, image=image, entrypoint=python, num_replicas=nodes, max_retries=max_restarts,
-        args=["-m", "launch.node", "worker", "--app-id", specs.macros.app_id, "--pool", name,
-              "--head-env", specs.macros.rank0_env, "--cpus", str(cpus), "--gpus", str(gpus),
+        args=["-m", "launch.node", "worker", "--app-id", app_id, "--pool", name,
+              "--cpus", str(cpus), "--gpus", str(gpus),
               "--output", output, "--timeout-s", str(timeout_s), "--lost-s", str(lost_s)],
         resource=specs.Resource(cpu=cpus, gpu=gpus, memMB=mem_gb * 1024), env=dict(env))
 
@@ -48,8 +50,8 @@ def job(
 ) -> specs.AppDef:
     """An elasticrl job: a Ray head that drives the job, then one role per node pool.
 
-    The head (first, so every scheduler can hand its host to the others through TorchX's
-    rank-0 macro) starts Ray and runs the job; the ``train`` pool's nodes host the trained
+    The head starts Ray, publishes its address beside its token in the job's folder (shared
+    by every node) and runs the job; the ``train`` pool's nodes host the trained
     and frozen models, the ``rollout`` pool's the vLLM engines (``rollout_nodes: 0`` puts
     them on the train pool too). Each worker node joins the head's Ray carrying its pool
     name, and every replica exits when the job ends.
@@ -79,7 +81,7 @@ def job(
     overrides = shlex.split(sets)
     if rollout_nodes:
         overrides.append("placement.pools=split")
-    env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = ENV
     expect = 1 + train_nodes + rollout_nodes
     head_args = ["-m", "launch.node", "head", "--app-id", specs.macros.app_id, "--expect", str(expect),
                  "--spec", spec, "--output", output, "--cpus", "0", "--gpus", "0", "--timeout-s", str(timeout_s)]
@@ -96,3 +98,35 @@ def job(
         roles.append(_pool_role("rollout", rollout_nodes, rollout_cpus, rollout_gpus, rollout_mem_gb, image,
                                 python, output, timeout_s, env, max_restarts, lost_s))
     return specs.AppDef(name="elasticrl", roles=roles)
+
+
+def node(
+    app_id: str,
+    pool: str = "rollout",
+    cpus: int = 1,
+    gpus: int = 0,
+    mem_gb: int = 8,
+    output: str = "runs/launch",
+    timeout_s: int = 600,
+    lost_s: int = 60,
+    image: str = "",
+    python: str = PYTHON,
+) -> specs.AppDef:
+    """One more node of a running elasticrl app (``elasticrl scale --join``): it joins the app's
+    Ray as a node of ``pool`` and leaves when the app's job ends.
+
+    Args:
+        app_id: the running attempt's id, as its head published it (``.elasticrl/ray-address-ID``)
+        pool: the node pool it serves (rollout: vLLM engines)
+        cpus: CPUs of the node
+        gpus: GPUs of the node
+        mem_gb: memory of the node, GB
+        output: the job's output folder (the node's logs go there)
+        timeout_s: seconds it waits for the head's address
+        lost_s: seconds it waits for a head that stopped answering before it fails
+        image: the working directory (the one the app was launched from)
+        python: the Python that runs the node
+    """
+    role = _pool_role(pool, 1, cpus, gpus, mem_gb, image, python, output, timeout_s,
+                      ENV, 0, lost_s, app_id=app_id)
+    return specs.AppDef(name=f"elasticrl-{pool}-node", roles=[role])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -64,6 +65,8 @@ def launch(
     gpus: int = typer.Option(0, "--gpus", help="GPUs to plan for (with --gpu-mem); 0: size pools in CPUs."),
     gpu_mem: float = typer.Option(0, "--gpu-mem", help="Memory of one GPU, GB."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes the GPUs are spread over."),
+    train_nodes: int = typer.Option(1, "--train-nodes", min=1,
+                                    help="Without --gpus: nodes the train pool's CPUs are spread over."),
     image: Optional[str] = typer.Option(None, "--image", help="Working dir (local_cwd, slurm) or container image."),
     detach: bool = typer.Option(False, "--detach", help="Return after submitting (not for local_cwd)."),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0,
@@ -86,6 +89,8 @@ def launch(
         _fail(f"--scheduler: expected one of {', '.join(submit.SCHEDULERS)}, got {scheduler!r}", 2)
     if detach and scheduler == "local_cwd":
         _fail("--detach: local_cwd apps end with the command that launched them; use slurm or kubernetes", 2)
+    if gpus and train_nodes != 1:
+        _fail("--train-nodes: with --gpus the planner sizes the pools (set --nodes)", 2)
     sets = list(set_ or [])
     try:
         raw = read_raw(spec, sets)
@@ -96,7 +101,7 @@ def launch(
             plan = plan_job(job, inventory, explicit_fields(raw))
             typer.echo(render(plan))
             sets += plan.overrides()
-        pools = submit.pool_args(job, plan, inventory)
+        pools = submit.pool_args(job, plan, inventory, train_nodes)
         app_def = submit.build_app(str(spec), output, sets, pools, scheduler, image, max_restarts, lost_s)
         described = submit.describe_app(app_def)  # before TorchX adds its scheduler's variables
         info = submit.dryrun(app_def, scheduler, submit.parse_cfg(cfg))
@@ -111,11 +116,16 @@ def launch(
         return
     restarts = 0
     while True:
+        started = time.time()
         handle = submit.runner().schedule(info)
         typer.echo(f"app handle: {handle}")
         if detach:
             return
         state = _follow(handle)
+        if state == "FAILED" and submit.finished_since(output, started):  # the driver went on without it
+            typer.echo(f"{handle}: the job finished; a pool node failed during it (see elasticrl logs {handle} "
+                       "--role train)")
+            state = "SUCCEEDED"
         # Slurm requeues the job itself (TorchX's retries); local_cwd ignores them: submit again
         if state == "SUCCEEDED" or scheduler != "local_cwd" or restarts >= max_restarts:
             break
@@ -188,13 +198,29 @@ def cancel(handle: str = typer.Argument(..., help="The app handle printed by ela
 def scale(
     output: Path = typer.Argument(..., help="The --output folder of a running job (elasticrl run or launch)."),
     engines: int = typer.Option(..., "--engines", help="Rollout engines the job should have."),
+    join: Optional[str] = typer.Option(None, "--join", help="A running Slurm app's handle: also submit a node that "
+                                                            "joins its Ray for the engines added (run it in the "
+                                                            "launch folder)."),
+    node_gpus: int = typer.Option(0, "--node-gpus", min=0, help="With --join: GPUs of the node (0: CPUs, "
+                                                                "rollout.cpus_per_engine per engine added)."),
+    cfg: Optional[str] = typer.Option(None, "--cfg", help="With --join: Slurm options of the node's job."),
 ):
     """Grow or shrink a running job's rollout engines; it applies at the next step boundary
-    (new engines serve once started and synced; see rollout/engines in metrics.jsonl)."""
-    from elasticrl.trainers.loop import ask_engines
+    (new engines serve once started and synced; see rollout/engines in metrics.jsonl). With
+    --join, a new node joins a running Slurm app to hold the engines added."""
+    from launch import submit
+    from elasticrl.trainers.loop import ask_engines, engines_now
 
     try:
+        added = engines - engines_now(output)
+        if join and added < 1:
+            raise ValueError(f"--join: a node is for more engines: ask for more than the {engines_now(output)} "
+                             "the job has")
+        attempt = submit.running_attempt(join) if join else None
         ask_engines(output, engines)
+        if join:
+            typer.echo(f"{output}: a rollout node for {added} engine(s) submitted: "
+                       f"{submit.join_node(attempt, str(output), added, node_gpus, submit.parse_cfg(cfg))}")
     except ValueError as exc:
         _fail(str(exc), 2)
     typer.echo(f"{output}: asked for {engines} rollout engine(s); the job applies it at its next step")

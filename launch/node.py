@@ -1,11 +1,12 @@
 """What each TorchX replica of an elasticrl app runs on its node.
 
   python -m launch.node head   --app-id ID --expect N --spec SPEC --output DIR [--set k=v ...]
-  python -m launch.node worker --app-id ID --pool NAME --head-env VAR
+  python -m launch.node worker --app-id ID --pool NAME
 
 The head starts Ray (its own temp dir, dashboard on localhost), waits until the N-1 worker
 nodes have joined, runs the job as a driver of that Ray, then publishes its exit code in
-Ray's key-value store and waits for the workers to leave. A worker starts a Ray node that
+Ray's key-value store and waits for the workers to leave. A worker (one of the app's, or one
+that joins it later: ``elasticrl scale --join``) starts a Ray node that
 carries its pool as a custom resource (``elasticrl_pool_NAME``) so that model roles land on
 the right pool, and leaves when the head says so, or fails when the head disappears.
 
@@ -13,7 +14,7 @@ Ray's token authentication stays on: the head writes a random token (mode 0600) 
 job folder, which every node of a TorchX app shares (the launch folder on local_cwd and
 Slurm); the workers read it from there. Only processes this module started are stopped,
 by their process group. The head's Ray listens on a port free when it starts (retried if
-another process takes it first) and publishes the port beside the token.
+another process takes it first) and publishes its address (ip:port) beside the token.
 """
 from __future__ import annotations
 
@@ -53,13 +54,14 @@ def _sweep_dead_heads() -> None:
     for owner in Path(".elasticrl").glob("ray-owner-*"):
         if owner_gone(owner):
             app_id = owner.name.removeprefix("ray-owner-")
-            for path in (token_file(app_id), port_file(app_id), owner):
+            for path in (token_file(app_id), address_file(app_id), owner):
                 path.unlink(missing_ok=True)
 
 
-def port_file(app_id: str) -> Path:
-    """Where the head publishes its GCS port, once Ray is up (beside the token: shared storage)."""
-    return Path(".elasticrl") / f"ray-port-{app_id}"
+def address_file(app_id: str) -> Path:
+    """Where the head publishes its GCS address, ip:port, once Ray is up (beside the token:
+    shared storage); the worker nodes read it."""
+    return Path(".elasticrl") / f"ray-address-{app_id}"
 
 
 def _free_port() -> int:
@@ -201,7 +203,7 @@ def head(ns: argparse.Namespace) -> int:
             _stop(proc, 1.0)  # whatever it had started
         else:
             raise RuntimeError(f"the Ray head failed to start 3 times; see {log_path}")
-        write_text(port_file(ns.app_id), str(port))
+        write_text(address_file(ns.app_id), f"{ip}:{port}")
         ray.init(address=f"{ip}:{port}", logging_level="WARNING")
         signal.signal(signal.SIGTERM, _terminated)  # ray.init installs its own, which skips our cleanup
         _wait(lambda: _alive(ray) >= ns.expect, ns.timeout_s,
@@ -227,7 +229,7 @@ def _run_job(ns: argparse.Namespace) -> int:
 
 def _finish(ns, proc, code: int) -> None:
     token_file(ns.app_id).unlink(missing_ok=True)  # first: a cancelled step has seconds left
-    port_file(ns.app_id).unlink(missing_ok=True)
+    address_file(ns.app_id).unlink(missing_ok=True)
     owner_file(ns.app_id).unlink(missing_ok=True)
     try:
         import ray
@@ -244,21 +246,17 @@ def _finish(ns, proc, code: int) -> None:
         if proc is not None:
             _stop(proc, 1.0 if _terminating else 3.0)
         shutil.rmtree(_temp_dir(ns.app_id), ignore_errors=True)
+        sweep_orphans(f"{_temp_dir(ns.app_id).name}-*")  # the folders of this app's nodes that were lost
         _log(f"done, exit code {code}")
 
 
 def worker(ns: argparse.Namespace) -> int:
     os.environ.update(_ray_env(ns.app_id))
-    host = os.environ.get(ns.head_env, ns.head_env if ns.head_env and "." in ns.head_env else "")
-    if not host:
-        _log(f"error: ${ns.head_env} (the head's host, set by the scheduler) is empty")
-        return 2
-    ip = _node_ip(host.split(",")[0])
-    ports = port_file(ns.app_id)
+    published = address_file(ns.app_id)
     try:
-        _wait(lambda: token_file(ns.app_id).is_file() and ports.is_file(), ns.timeout_s,
-              f"the head on {host} published no Ray port ({ports}) within {ns.timeout_s}s")
-        address = f"{ip}:{int(ports.read_text())}"
+        _wait(lambda: token_file(ns.app_id).is_file() and published.is_file(), ns.timeout_s,
+              f"the head published no Ray address ({published.resolve()}) within {ns.timeout_s}s")
+        address = published.read_text().strip()
         _wait(lambda: _gcs_up(address), ns.timeout_s, f"the head at {address} did not answer within {ns.timeout_s}s")
     except TimeoutError as exc:
         _log(f"error: {exc}")
@@ -343,12 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--set-b64", action="append", help="An override, URL-safe base64 (one that a shell would split).")
     w = sub.choices["worker"]
     w.add_argument("--pool", required=True, help="The node pool this node serves (e.g. train, rollout).")
-    w.add_argument("--head-env", required=True, help="Name of the variable holding the head's host.")
     w.add_argument("--lost-s", type=float, default=60, help="Seconds without the head before failing.")
     ns = p.parse_args(argv)
-    # A requeued Slurm job keeps its id: the attempt keeps its files (token, port, Ray's temp dir)
-    # apart from those a killed attempt left behind, which its nodes would otherwise read.
-    ns.app_id = f"{ns.app_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    # A requeued Slurm job keeps its id: the attempt keeps its files (token, address, Ray's temp
+    # dir) apart from those a killed attempt left behind, which its nodes would otherwise read.
+    # A node joining later is given the attempt's id whole (ID.N).
+    if "." not in ns.app_id:
+        ns.app_id = f"{ns.app_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
 
     signal.signal(signal.SIGTERM, _terminated)
     return head(ns) if ns.kind == "head" else worker(ns)

@@ -30,8 +30,9 @@ def parse_cfg(text: str | None) -> dict[str, str]:
     return out
 
 
-def pool_args(spec, plan=None, inventory=None) -> dict:
-    """Component arguments (pool sizes) for a spec: from a plan on GPUs, else in CPUs."""
+def pool_args(spec, plan=None, inventory=None, train_nodes: int = 1) -> dict:
+    """Component arguments (pool sizes) for a spec: from a plan on GPUs, else in CPUs, the
+    train pool's spread over ``train_nodes`` nodes."""
     from elasticrl.plan.roles import cpus_needed, job_roles
 
     roles = job_roles(spec)
@@ -47,13 +48,15 @@ def pool_args(spec, plan=None, inventory=None) -> dict:
         return {"train_nodes": math.ceil(train_gpus / per_node), "train_gpus": per_node, "train_cpus": 8 * per_node,
                 "rollout_nodes": math.ceil(engine_gpus / per_node), "rollout_gpus": per_node,
                 "rollout_cpus": 8 * per_node}
+    def train(cpus: int) -> dict:
+        return {"train_nodes": train_nodes, "train_cpus": math.ceil(cpus / train_nodes)}
+
     if not rl_job:
-        return {"train_nodes": 1, "train_cpus": cpus_needed(spec) - 1, "rollout_nodes": 0}
+        return {**train(cpus_needed(spec) - 1), "rollout_nodes": 0}
     engines = roles["rollout"].ranks * roles["rollout"].cpus
     if spec.placement.colocate == "all":
-        return {"train_nodes": 1, "train_cpus": cpus_needed(spec), "rollout_nodes": 0}
-    return {"train_nodes": 1, "train_cpus": cpus_needed(spec) - 1 - engines, "rollout_nodes": 1,
-            "rollout_cpus": engines}
+        return {**train(cpus_needed(spec)), "rollout_nodes": 0}
+    return {**train(cpus_needed(spec) - 1 - engines), "rollout_nodes": 1, "rollout_cpus": engines}
 
 
 def _group_widths(plan) -> dict:
@@ -76,12 +79,49 @@ def build_app(spec_path: str, output: str, sets: list[str], pools: dict, schedul
                max_restarts=max_restarts, lost_s=lost_s, **pools)
 
 
+def running_attempt(handle: str) -> str:
+    """The app id of the running attempt of Slurm app ``handle``, as its head published its
+    address in this folder (``ID.RESTARTS``); raises ValueError when there is none."""
+    scheduler, _, job_id = _split(handle)
+    if scheduler != "slurm":
+        raise ValueError(f"--join: only a Slurm app takes nodes while it runs, got {handle} (a local_cwd job's "
+                         "engines go on its own nodes: leave --join out)")
+    attempts = sorted(Path(".elasticrl").glob(f"ray-address-{job_id}.*"), key=lambda f: int(f.suffix[1:] or 0))
+    if not attempts:
+        raise ValueError(f"--join: no running head of {handle} published its address in {Path('.elasticrl').resolve()}"
+                         "; run this in the folder elasticrl launch ran in, while the job runs")
+    return attempts[-1].name.removeprefix("ray-address-")
+
+
+def join_node(app_id: str, output: str, engines: int, gpus: int, cfg: dict) -> str:
+    """Submit one rollout-pool node into the running Slurm app attempt ``app_id``, for
+    ``engines`` more rollout engines of the job in ``output`` (its CPUs, or ``gpus``); it
+    joins the app's Ray through the address and token its head published in this folder.
+    Returns its handle."""
+    from components.elasticrl import node
+    from elasticrl.spec import load_spec, read_raw
+
+    rollout = load_spec(read_raw(Path(output) / "spec.yaml"), check_paths=False).rollout
+    cpus = 8 * gpus if gpus else engines * rollout.cpus_per_engine
+    app = node(app_id, "rollout", cpus, gpus, output=output, image=os.getcwd(), python=sys.executable)
+    return runner().schedule(dryrun(app, "slurm", cfg))
+
+
 def resumable_step(output: str) -> int | None:
     """The step a restarted job of ``output`` resumes from (its newest checkpoint), if any."""
     from elasticrl.engine.checkpoint import list_checkpoints
 
     found = list_checkpoints(Path(output) / "checkpoints")
     return found[-1][0] if found else None
+
+
+def finished_since(output: str, t0: float) -> bool:
+    """Whether the job of ``output`` finished (its driver wrote ``finished.json``) after ``t0``:
+    an app that failed because a pool node was lost may still have finished the job."""
+    from elasticrl.trainers.loop import FINISHED
+
+    path = Path(output) / FINISHED
+    return path.is_file() and path.stat().st_mtime >= t0
 
 
 def slurm_restarts(job_id: str) -> int | None:

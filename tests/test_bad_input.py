@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,12 @@ def _model(**changes: str | bytes | None):
 STATE = json.dumps({"format": 2, "step": 2, "spec": {}})
 INDEX = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
 # (id, setup steps, command line ({tmp} is the case's folder), exit code, what the line must say)
+def _running(tmp: Path) -> None:
+    """An output folder as a running job has it: its spec (1 rollout engine), no finished.json."""
+    (tmp / "run").mkdir()
+    shutil.copy(GRPO, tmp / "run" / "spec.yaml")
+
+
 CASES = [
     # the spec file itself
     ("spec-missing", [], ["run", "{tmp}/nope.yaml"], 2, "{tmp}/nope.yaml not found"),
@@ -180,6 +187,12 @@ CASES = [
     ("launch-gpu-mem-zero", [], ["launch", GRPO, "--dryrun", "--gpus", "2", "--gpu-mem", "0"], 2,
      "--gpu-mem: expected a number of GB > 0"),
     ("scale-no-run", [], ["scale", "{tmp}/no-run", "--engines", "2"], 2, "{tmp}/no-run"),
+    ("scale-join-not-slurm", [_running], ["scale", "{tmp}/run", "--engines", "2", "--join", "local_cwd://t/elasticrl-x"],
+     2, "--join: only a Slurm app takes nodes while it runs, got local_cwd://t/elasticrl-x"),
+    ("scale-join-no-head", [_running], ["scale", "{tmp}/run", "--engines", "2", "--join", "slurm://torchx/987654321"],
+     2, "--join: no running head of slurm://torchx/987654321 published its address"),
+    ("scale-join-no-more", [_running], ["scale", "{tmp}/run", "--engines", "1", "--join", "slurm://torchx/1"], 2,
+     "--join: a node is for more engines: ask for more than the 1 the job has"),
 ]
 
 

@@ -37,6 +37,15 @@ class RoleError(RuntimeError):
         self.what = what or message.splitlines()[0]  # in a few words, for a console line
 
 
+class Unplaceable(RoleError):
+    """A role's ranks cannot be placed: the live nodes can never hold them (``room``: how
+    many ranks of that size they could hold), or they did not get placed in time (None)."""
+
+    def __init__(self, message: str, role: str, room: int | None):
+        super().__init__(message, role)
+        self.room = room
+
+
 _ERROR_LINE = re.compile(r"^\s*([\w.]*(?:Error|Exception)): (.+)$", re.M)
 
 
@@ -59,17 +68,56 @@ def _free_address(_self) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+# what a collective raises on a rank whose peer's process (or node) is gone: gloo, NCCL
+_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|"
+                        r"NCCL communicator was aborted")
+
+
 def _dead_among(refs: list, wait_s: float = 5.0):
     """(ref, error) of a call in ``refs`` whose actor died, within ``wait_s``; else None."""
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-    for ref in done:
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            return ref, exc
-        except Exception:
-            continue
+    pending, deadline = list(refs), time.time() + wait_s
+    while pending and time.time() < deadline:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return ref, exc
+            except Exception:
+                continue
     return None
+
+
+def room(bundle: dict) -> int:
+    """How many ``bundle``s the live nodes can hold at most (each bundle on one node; what
+    other roles hold is not subtracted)."""
+    return sum(int(min(n["Resources"].get(k, 0.0) / v for k, v in bundle.items() if v > 0) + 1e-9)
+               for n in ray.nodes() if n["Alive"])
+
+
+def _place(role: str, bundles: list[dict], timeout_s: float):
+    """A ready placement group of ``bundles``. Raises ``Unplaceable`` as soon as the live nodes
+    can never hold them (checked each second: a node that died leaves the count), or when it
+    is not placed within ``timeout_s``."""
+    n, one = len(bundles), bundles[0]
+    pg, deadline = None, time.time() + timeout_s
+    try:
+        while True:
+            fits = room(one)
+            if fits < n:
+                raise Unplaceable(f"{role}: {n} rank(s) of {one} do not fit: the live nodes hold {fits}. "
+                                  "Lower the rank count or add nodes.", role, fits)
+            pg = pg or placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}-{uuid.uuid4().hex[:8]}")
+            if ray.wait([pg.ready()], timeout=min(1.0, max(0.0, deadline - time.time())))[0]:
+                return pg
+            if time.time() >= deadline:
+                raise Unplaceable(f"{role}: could not place {n} rank(s) of {one} within {timeout_s:.0f}s; the "
+                                  f"cluster offers {ray.available_resources()}. Lower the rank count or add nodes.",
+                                  role, None)
+    except BaseException:
+        if pg is not None:
+            remove_placement_group(pg)
+        raise
 
 
 class RoleGroup:
@@ -90,18 +138,7 @@ class RoleGroup:
         else:
             bundles = [{**backend.bundle(gpus_per_rank, cpus_per_rank), **pool_resource(pool)}
                        for _ in range(num_ranks)]
-            total = ray.cluster_resources()
-            for key in bundles[0]:
-                if bundles[0][key] * num_ranks > total.get(key, 0):  # can never fit: say so now
-                    raise RoleError(f"{role}: {num_ranks} rank(s) need {bundles[0][key] * num_ranks:g} {key} but "
-                                    f"the whole cluster has {total.get(key, 0):g}. Lower the rank count or add nodes.")
-            self.pg = placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}-{uuid.uuid4().hex[:8]}")
-            ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
-            if not ready:
-                remove_placement_group(self.pg)
-                raise RoleError(f"{role}: could not place {num_ranks} rank(s) of {bundles[0]} within "
-                                f"{place_timeout_s:.0f}s; the cluster offers {ray.available_resources()}. "
-                                "Lower the rank count or add nodes.")
+            self.pg = _place(role, bundles, place_timeout_s)
         remote_cls = ray.remote(actor_cls)
         self._extra: list = []  # placement groups of ranks added while the job runs (``add``)
 
@@ -152,13 +189,15 @@ class RoleGroup:
             try:
                 ray.get(done[0])
             except Exception as exc:  # the first failure ends the call; peers would hang
+                peer_gone = bool(_PEER_GONE.search(str(exc)))
                 if not isinstance(exc, ray.exceptions.RayActorError) and pending:
-                    # a collective fails on the peers of a rank that died: blame the dead rank
-                    dead = _dead_among(pending)
+                    # a collective fails on the peers of a rank that died: blame the dead rank (Ray
+                    # tells a whole node's loss only once its health checks failed: wait longer)
+                    dead = _dead_among(pending, 60.0 if peer_gone else 5.0)
                     if dead is not None:
                         done, exc = [dead[0]], dead[1]
                 cause = getattr(exc, "cause", None) or exc
-                lost = isinstance(exc, ray.exceptions.RayActorError)
+                lost = isinstance(exc, ray.exceptions.RayActorError) or peer_gone
                 raise RoleError(f"{self.role} rank {rank_of[done[0]]} failed: {root_cause(exc)}",
                                 self.role, [rank_of[done[0]]], lost=lost,
                                 what=f"{self.role} rank {rank_of[done[0]]} died ({type(cause).__name__})" if lost

@@ -66,10 +66,11 @@ class Placement:
         r = self.roles[role]
         return {"gpus_per_rank": r.gpus, "cpus_per_rank": r.cpus, "pool": r.pool}
 
-    def group(self, role: str, actor_cls, *args, name: str | None = None, **kwargs) -> RoleGroup:
-        """The ``RoleGroup`` of ``role``'s ranks (``name``: what errors call it, default the role),
-        its calls watched for hangs (``fault``)."""
-        return RoleGroup(name or role, actor_cls, self.roles[role].ranks, *args, **self.options(role),
+    def group(self, role: str, actor_cls, *args, name: str | None = None, ranks: int | None = None,
+              **kwargs) -> RoleGroup:
+        """The ``RoleGroup`` of ``role``'s ranks (``name``: what errors call it, default the role;
+        ``ranks``: fewer than the job's, for a re-forming), its calls watched for hangs (``fault``)."""
+        return RoleGroup(name or role, actor_cls, ranks or self.roles[role].ranks, *args, **self.options(role),
                          watchdog=self.watchdog, **kwargs)
 
     def remove(self) -> None:

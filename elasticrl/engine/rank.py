@@ -106,6 +106,17 @@ class TrainRank:
         save_file(backend.rng_state(), str(Path(folder) / f"rng_rank{self.rank}.safetensors"))
         dist.barrier()
 
+    def snapshot(self) -> dict[str, bytes]:
+        """What ``save`` writes, as {relative path: bytes} (rank 0: all but the other ranks' RNG
+        files; the others: their RNG file): the in-memory copy that ``fault.memory_copy_steps``
+        keeps in the driver. Written through a private folder in memory. Collective."""
+        import tempfile
+
+        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        with tempfile.TemporaryDirectory(prefix="elasticrl-copy-", dir=shm) as tmp:
+            self.save(tmp)
+            return {str(f.relative_to(tmp)): f.read_bytes() for f in sorted(Path(tmp).rglob("*")) if f.is_file()}
+
     def export(self, folder: str) -> None:
         ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,
                        torch_dtype(self.dtype))

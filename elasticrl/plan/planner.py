@@ -153,9 +153,27 @@ def _train_configs(job: _Job) -> list[tuple[TrainConfig, float]]:
 
 def _micro_batches(job: _Job, ranks: int) -> list[int]:
     t = job.spec.train
-    dp = ranks // t.tp_size
     cands = _choices("train.micro_batch_size", job.pinned, _pow2(t.micro_batch_size)[::-1])
-    return [m for m in cands if t.global_batch_size % (m * dp) == 0]
+    return [m for m in cands if _whole_batches(t.global_batch_size, m, ranks, t.tp_size)]
+
+
+def _whole_batches(global_batch: int, micro_batch: int, ranks: int, tp_size: int = 1) -> bool:
+    """``ranks`` keep the global batch: whole micro-batches on every data-parallel rank."""
+    return ranks % tp_size == 0 and global_batch % (micro_batch * (ranks // tp_size)) == 0
+
+
+def fewer_ranks(spec: JobSpec, role: str, at_most: int) -> int | None:
+    """The most ranks, at most ``at_most``, that the trained ``role`` ('actor' or 'critic') can
+    re-form on with the same global batch (gradient accumulation makes up the ranks lost);
+    None when none can. For the elastic re-forming of ``trainers.rl.recover``."""
+    t = spec.train
+    for ranks in range(at_most, 0, -1):
+        if role == "critic":  # the critic takes micro-batches of its whole share when it must
+            if t.global_batch_size % ranks == 0:
+                return ranks
+        elif _whole_batches(t.global_batch_size, t.micro_batch_size, ranks, t.tp_size):
+            return ranks
+    return None
 
 
 def _layouts(job: _Job):

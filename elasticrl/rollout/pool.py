@@ -221,7 +221,7 @@ class RolloutPool:
                 continue
             self.live = sorted(self.live + [slot])
             self.changed = True
-            self._event(f"rollout engine {slot} replaced in {time.time() - t0:.1f} s; it serves from the next "
+            self._event(f"rollout engine {slot} up in {time.time() - t0:.1f} s; it serves from the next "
                         f"rollout on{self._at().replace(' at', ', after')}")
         changed, self.changed = self.changed, False
         return changed

@@ -327,6 +327,13 @@ class FaultSpec:
                              "so far, plus fault.min_deadline_s, is taken for a hang.", 5.0, min=1)
     min_deadline_s: float = doc("Seconds added to every watchdog deadline (scheduling noise).", 10.0, min=0,
                                 exclusive_min=True)
+    memory_copy_steps: int = doc("Every this many steps the driver keeps a copy of the actor's and critic's state in "
+                                 "its memory (what a checkpoint holds, as bytes); a recovery starts from the newest "
+                                 "of it and the checkpoints, so fewer steps are redone. Costs a checkpoint's size of "
+                                 "driver memory and its gather time each time. 0: off.", 0, min=0)
+    place_timeout_s: float = doc("Seconds a re-formed actor or critic waits for its ranks to be placed before it "
+                                 "re-forms on fewer (as many as the live nodes hold, keeping the global batch "
+                                 "through gradient accumulation); a node that died is seen at once.", 60.0, min=1)
 
 
 @dataclass

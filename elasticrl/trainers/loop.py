@@ -1,6 +1,7 @@
 """What every trainer's driver does the same way: output folder, metrics, progress, resume."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints
 from elasticrl.files import disk_problem, write_text
-from elasticrl.spec import JobSpec, dump_spec
+from elasticrl.spec import JobSpec, dump_spec, load_spec, read_raw
 
 
 class MetricsLog:
@@ -67,6 +68,19 @@ def ask_engines(output: Path, engines: int) -> Path:
     if (output / FINISHED).is_file():
         raise ValueError(f"{output}: that job has finished; scaling applies to a running job")
     return write_text(output / SCALE, json.dumps({"engines": engines, "asked_at": time.time()}))
+
+
+def engines_now(output: Path) -> int:
+    """The rollout engines of the job in ``output``: its last metrics row's, else its spec's."""
+    if not (output / "spec.yaml").is_file():
+        raise ValueError(f"{output}: no job runs there (no spec.yaml); give the --output of a running job")
+    path = output / "metrics.jsonl"
+    for line in reversed(path.read_text().splitlines() if path.is_file() else []):
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if "rollout/engines" in row:
+                return int(row["rollout/engines"])
+    return load_spec(read_raw(output / "spec.yaml"), check_paths=False).rollout.num_engines
 
 
 def asked_engines(output: Path, seen: float) -> tuple[int | None, float]:
@@ -161,16 +175,22 @@ class Progress:
 
 def save_checkpoint(groups: dict, spec: JobSpec, output: Path, step: int, state: dict | None = None) -> None:
     """A checkpoint of step ``step``: each trained role's group (role -> RoleGroup) saves into
-    its folder, and ``state`` (what the trainer carries between steps, its data position: the
-    global index of the next sample; for the trainers on a fixed dataset step x batch) joins the
-    step in trainer_state.json."""
+    its folder (or role -> an in-memory copy, {relative path: bytes}, is written there), and
+    ``state`` (what the trainer carries between steps, its data position: the global index of
+    the next sample; for the trainers on a fixed dataset step x batch) joins the step in
+    trainer_state.json."""
     state = state or {"samples_seen": step * spec.train.global_batch_size}
     root = output / "checkpoints"
     try:
         with ckpt.new_checkpoint(root, step, spec.checkpoint.keep) as tmp:
             for role, group in groups.items():
                 (tmp / role).mkdir()
-                group.call("save", str(tmp / role))
+                if isinstance(group, dict):
+                    for name, data in group.items():
+                        (tmp / role / name).parent.mkdir(parents=True, exist_ok=True)
+                        (tmp / role / name).write_bytes(data)
+                else:
+                    group.call("save", str(tmp / role))
             ckpt.write_trainer_state(tmp, spec, {"step": step, **state})
     except Exception as exc:
         problem = disk_problem(exc)

@@ -32,11 +32,12 @@ from elasticrl import backend
 from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, varying_groups
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import RunningMoments, masked_whiten
-from elasticrl.cluster import Placement, RoleError, RoleGroup, ray_session
+from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable, ray_session
 from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints
 from elasticrl.models import load_tokenizer
+from elasticrl.plan.planner import fewer_ranks
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool, evaluate_answers, sampling_params
@@ -63,10 +64,11 @@ def resolve_rl_paths(spec: JobSpec) -> dict[str, str]:
             "eval": spec.data.eval or str(world["eval"]), "sft": str(world.get("sft", ""))}
 
 
-def critic_train(spec: JobSpec) -> dict:
-    """The critic's own train settings: its rank count, and the actor's micro-batch unless that
-    does not divide its share of a mini-batch (then the whole share, with a warning)."""
-    t, ranks = spec.train, spec.critic.num_ranks
+def critic_train(spec: JobSpec, ranks: int | None = None) -> dict:
+    """The critic's own train settings: its rank count (``ranks``: fewer than the spec's, after
+    a node was lost), and the actor's micro-batch unless that does not divide its share of a
+    mini-batch (then the whole share, with a warning)."""
+    t, ranks = spec.train, ranks or spec.critic.num_ranks
     mbs = t.micro_batch_size
     if t.global_batch_size % (mbs * ranks):
         mbs = t.global_batch_size // ranks
@@ -103,24 +105,44 @@ class Roles:
                                 spec.model.trust_remote_code, where=p.options("rollout"))
         self.groups.append(self.pool.group)
 
-    def form_trained(self, resume_dir: Path | None) -> None:
+    def form_trained(self, resume_dir: Path | None, elastic: bool = False) -> None:
         """The trained roles, the actor and (ppo) the critic, from ``resume_dir``'s checkpoint or
-        the start model; called again after one of their ranks was lost, which tears the old
-        groups down first (the engines, the reference and the rewards stay up)."""
+        the start model; called again after one of their ranks was lost (``elastic``), which
+        tears the old groups down first (the engines, the reference and the rewards stay up)
+        and re-forms each on fewer ranks when its own can no longer be placed."""
         spec, d, p = self.spec, self.dict, self.placement
         for g in (self.actor, self.critic):
             if g is not None:
                 self.groups.remove(g)
                 g.shutdown()
         resume = (lambda role: str(resume_dir / role) if resume_dir else None)  # noqa: E731
-        self.actor = self._add(p.group("actor", ActorWorker, d, self.paths["model"]))
+        self.actor = self._add(self._trained("actor", elastic, lambda ranks, timeout: p.group(
+            "actor", ActorWorker, d, self.paths["model"], ranks=ranks, place_timeout_s=timeout)))
         if spec.rl.ptx_coef > 0:
             self.actor.call("set_ptx_data", self.paths["sft"])
         self.actor.setup(self.total_updates, resume=resume("actor"))
         if "critic" in p.roles:
             init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else self.paths["model"])
-            self.critic = self._add(p.group("critic", CriticWorker, d, init, critic_train(spec), spec.critic.lr))
+            self.critic = self._add(self._trained("critic", elastic, lambda ranks, timeout: p.group(
+                "critic", CriticWorker, d, init, critic_train(spec, ranks), spec.critic.lr, ranks=ranks,
+                place_timeout_s=timeout)))
             self.critic.setup(self.total_updates, resume=resume("critic"))
+
+    def _trained(self, role: str, elastic: bool, make) -> RoleGroup:
+        """``make(ranks, place_timeout_s)`` at the job's rank count; when ``elastic`` and those no
+        longer fit (a node is gone), at the most ranks the planner keeps the global batch with."""
+        ranks = self.placement.roles[role].ranks
+        if not elastic or role in self.placement.shared:  # colocated: its bundles are shared
+            return make(ranks, 300)
+        while True:
+            try:
+                return make(ranks, self.spec.fault.place_timeout_s)
+            except Unplaceable as exc:
+                fewer = fewer_ranks(self.spec, role, min(ranks - 1, exc.room if exc.room is not None else ranks))
+                if not fewer:
+                    raise
+                print(f"{exc}; re-forming {role} on {fewer} rank(s)", file=sys.stderr, flush=True)
+                ranks = fewer
 
     def layout(self) -> dict[str, str]:
         """Role -> id of the placement group it runs on (colocated roles share one)."""
@@ -167,8 +189,9 @@ class Run:
     saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
     restarts: int = 0                                # times the trained roles were re-formed (L3)
     recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
-    scale_seen: float = field(default_factory=time.time)  # the last `elasticrl scale` request applied
+    scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
+    copy: tuple | None = None                        # (step, {role: files}, driver state): fault.memory_copy_steps
 
 
 @dataclass
@@ -194,6 +217,7 @@ def _timed(s: Step, phase: str):
 
 
 def run_rl(spec: JobSpec, output: Path) -> dict:
+    started = time.time()  # an `elasticrl scale` asked while the job starts up applies too
     resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     asked = spec
@@ -218,7 +242,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
             tok = load_tokenizer(paths["model"], spec.model.trust_remote_code)
             evals_used = evals[: spec.eval.num_prompts or None]
             run = Run(spec, roles, rewards, tok, prompts, [_encode(spec, tok, r) for r in prompts], evals,
-                      [_encode(spec, tok, r) for r in evals_used], output, asked)
+                      [_encode(spec, tok, r) for r in evals_used], output, asked, scale_seen=started)
             summary.update(_train_run(run, resume_dir))
         finally:
             roles.shutdown()
@@ -292,8 +316,13 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     run.restarts += 1
     run.pending.clear()  # rolled out ahead on weights the restored roles never had
     found = list_checkpoints(run.output / "checkpoints")
+    source = "the newest checkpoint" if found else "the start"
+    if run.copy and (not found or run.copy[0] > found[-1][0]):  # the in-memory copy is newer: it becomes one
+        copied, files, state = run.copy
+        save_checkpoint(files, run.asked, run.output, copied, state)
+        found, source, run.copy = list_checkpoints(run.output / "checkpoints"), "the in-memory copy", None
     folder = found[-1][1] if found else None
-    roles.form_trained(folder)
+    roles.form_trained(folder, elastic=True)
     if folder is None:
         run.version, run.moments, start = 0, RunningMoments(), 0
     else:
@@ -304,9 +333,10 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     roles.pool.sync(run.version)
     run.seconds_lost += time.time() - run.saved_at
     run.saved_at = time.time()
-    run.recoveries.append({"what": exc.what, "step": step + 1, "from_step": start, "ranks": roles.actor.num_ranks,
-                           "seconds": round(time.time() - t0, 1), "recovered_at": time.time()})
-    print(f"{exc.what} at step {step + 1}; recovered in {time.time() - t0:.1f} s from step {start} on "
+    run.recoveries.append({"what": exc.what, "step": step + 1, "from_step": start, "from": source,
+                           "ranks": roles.actor.num_ranks, "seconds": round(time.time() - t0, 1),
+                           "recovered_at": time.time()})
+    print(f"{exc.what} at step {step + 1}; recovered in {time.time() - t0:.1f} s from step {start} ({source}) on "
           f"{roles.actor.num_ranks} rank(s) ({run.restarts} of fault.max_restarts {spec.fault.max_restarts})",
           file=sys.stderr, flush=True)
     return start
@@ -505,6 +535,10 @@ def report(run: Run, s: Step) -> dict:
            **{f"time/{k}": s.seconds[k] for k in PHASES},
            "time/step": sum(s.seconds.values()), "rollout/tokens_per_s": s.generated / max(s.seconds["rollout"], 1e-9)}
     last = done == spec.rl.num_steps
+    copy = spec.fault.memory_copy_steps
+    if copy and done % copy == 0 and not _checkpoint_after(spec, s.step):  # before the row: it has it
+        run.copy = (done, {role: _merged(g.call("snapshot")) for role, g in _trained(run.roles).items()},
+                    _driver_state(run, done))
     if (spec.eval.every_steps and done % spec.eval.every_steps == 0) or last:
         row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals))
     if done % spec.log.every_steps == 0 or "eval/accuracy" in row or last or done == 1:
@@ -522,13 +556,25 @@ def _checkpoint_after(spec: JobSpec, step: int) -> bool:
     return bool(every) and (done % every == 0 or done == spec.rl.num_steps)
 
 
+def _trained(roles: Roles) -> dict:
+    return {"actor": roles.actor, **({"critic": roles.critic} if roles.critic else {})}
+
+
+def _driver_state(run: Run, step: int) -> dict:
+    """What the driver carries between steps, as a checkpoint records it (``_resume`` reads it)."""
+    m = run.moments
+    return {"prompts_seen": step * run.spec.rl.prompts_per_step, "version": run.version,
+            "reward_moments": [m.mean, m.var, m.count]}
+
+
+def _merged(per_rank: list[dict]) -> dict:
+    return {name: data for files in per_rank for name, data in files.items()}
+
+
 def _save(run: Run, step: int) -> None:
-    roles, m = run.roles, run.moments
-    groups = {"actor": roles.actor, **({"critic": roles.critic} if roles.critic else {})}
     t0 = time.time()
-    save_checkpoint(groups, run.asked, run.output, step, {
-        "prompts_seen": step * run.spec.rl.prompts_per_step, "version": run.version,
-        "reward_moments": [m.mean, m.var, m.count]})
+    save_checkpoint(_trained(run.roles), run.asked, run.output, step, _driver_state(run, step))
+    run.copy = None  # the checkpoint is as new
     folder = run.output / "checkpoints" / f"step_{step:07d}"
     run.checkpoints.append((time.time() - t0, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())))
     run.saved_at = time.time()

@@ -73,6 +73,7 @@ class _TrainedRole:
         return self.core.my_rows(n), (torch.cat(out) if out else None)
 
     def save(self, folder): self.core.save(folder)
+    def snapshot(self): return self.core.snapshot()
     def export(self, folder): self.core.export(folder)
     def attach_rollout(self, *args): return self.core.attach_rollout(*args)
     def sync_weights(self, version): return self.core.sync_weights(version)

@@ -3,13 +3,17 @@ the tiny GRPO job run for real on local processes and on a real multi-node Slurm
 on this machine by tests/slurm/cluster.sh; skipped with the reason where it cannot run)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +51,7 @@ def test_dryrun_prints_the_app_and_the_request(scheduler):
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(got + "\n")
     assert got == golden.read_text().rstrip("\n"), f"regenerate with UPDATE_GOLDEN=1 if intended: {golden}"
-    # the head comes first (TorchX hands its host to the others), then the pools
+    # the head comes first, then the pools
     roles = re.findall(r"^role (\w+):", got, re.M)
     assert roles == ["head", "train", "rollout"]
 
@@ -97,9 +101,6 @@ RESTARTED = SHORT[1:] + ["rl.num_steps=6", "checkpoint.every_steps=2", "eval.eve
 def _launch_and_kill_the_head(args: list[str], tmp_path, heads, env=None) -> tuple[str, float]:
     """Run ``elasticrl ARGS`` until OUTPUT has its step-2 checkpoint, SIGKILL the head node's
     process (``heads(launch_pid)`` finds it), wait for the end: (its output, the kill's time)."""
-    import signal
-    import time
-
     out = Path(args[args.index("--output") + 1])
     proc = subprocess.Popen([sys.executable, "-m", "elasticrl.cli", *args], cwd=tmp_path, text=True,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -122,26 +123,68 @@ def _launch_and_kill_the_head(args: list[str], tmp_path, heads, env=None) -> tup
     return output, killed
 
 
+class _NodeLoss(threading.Thread):
+    """Once ``out``'s run logged step ``after``, SIGKILLs a whole train-pool node of the app
+    that ``launch_pid`` runs: its ``launch.node worker`` and every process below it (its
+    Ray node and the actor rank there), as when the machine is gone."""
+
+    def __init__(self, out: Path, launch_pid: int, after: int):
+        super().__init__(daemon=True)
+        self.out, self.launch_pid, self.after = out, launch_pid, after
+        self.at, self.killed = None, []
+
+    def run(self) -> None:
+        from tests.integration.faults import logged_step
+
+        deadline = time.time() + 900
+        while logged_step(self.out) < self.after and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)  # into the next step
+        nodes = [p for p, cmd in _descendants(self.launch_pid) if "launch.node worker" in cmd and "--pool train" in cmd]
+        hosting = [p for p in nodes if any(c.startswith("ray::ActorWorker") for _, c in _descendants(p))]
+        if hosting:
+            tree = [p for p, _ in _descendants(hosting[-1])][::-1] + [hosting[-1]]  # the node's supervisor last
+            self.at = time.time()
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.killed = tree
+
+
 @pytest.mark.slow
-def test_local_cwd_launch_restarts_a_job_whose_head_died_and_it_resumes(tmp_path):
-    """The tiny GRPO job on local processes, and L0: the head node's process is SIGKILLed
-    mid-run; its Ray goes with it, the other nodes give up, the app fails, `launch
-    --max-restarts 1` submits it again and the job resumes from its newest checkpoint: every
+def test_local_cwd_launch_restarts_a_job_whose_head_died_and_goes_on_smaller_without_a_node(tmp_path):
+    """The tiny GRPO job on local processes, its two actor ranks on two train-pool nodes.
+    L0: the head node's process is SIGKILLed mid-run; its Ray goes with it, the other nodes
+    give up, the app fails, `launch --max-restarts 1` submits it again and the job resumes
+    from its newest checkpoint. L3 on fewer ranks: in that second attempt a whole train node
+    is SIGKILLed; the driver re-forms the actor on the one rank the live nodes hold (the
+    global batch kept by gradient accumulation) and finishes the job, which succeeds. Every
     step's metrics exactly once, weights broadcast across nodes, the policy exported, and
     nothing of either attempt left behind."""
-    import time
-
     before = set(_leftovers(tmp_path))
-    args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(tmp_path / "run"), "--max-restarts",
-            "1", "--lost-s", "10", *_sets(RESTARTED)]
-    output, killed = _launch_and_kill_the_head(
-        args, tmp_path, lambda pid: [p for p, cmd in _descendants(pid) if "launch.node head" in cmd])
+    out = tmp_path / "run"
+    args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(out), "--max-restarts",
+            "1", "--lost-s", "10", "--train-nodes", "2", *_sets(RESTARTED)]
+    loss = None
+
+    def heads(pid):
+        nonlocal loss
+        loss = _NodeLoss(out, pid, after=4)  # step 4 comes in the second attempt only
+        loss.start()
+        return [p for p, cmd in _descendants(pid) if "launch.node head" in cmd]
+
+    output, killed = _launch_and_kill_the_head(args, tmp_path, heads)
     resumed = int(re.search(r"restart 1 of 1, resuming from step (\d+)", output).group(1))
     assert resumed >= 2
     print(f"resumed from step {resumed}; {time.time() - killed:.0f} s from the kill to the end")
     assert re.search(r"app handle: local_cwd://\w+/elasticrl-\w+", output)
-    assert output.count("3 Ray node(s) up; running the job") == 2  # each attempt
-    out = tmp_path / "run"
+    assert output.count("4 Ray node(s) up; running the job") == 2  # each attempt
+    assert loss.killed, "no train node hosted an actor rank"
+    shrunk = re.search(r"actor rank \d (?:died|failed)[^\n]* at step [45]; recovered in ([\d.]+) s from step (\d) "
+                       r"\(the newest checkpoint\) on 1 rank\(s\)", output)
+    assert shrunk and "re-forming actor on 1 rank(s)" in output, output[-4000:]
+    assert "the job finished; a pool node failed during it" in output
+    print(f"a train node lost: {shrunk.group(0)}")
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     # engines on the rollout pool's node, trainers on the train pool's: weights cross nodes;
@@ -191,17 +234,36 @@ def slurm():
     subprocess.run(["bash", str(script), "stop", SLURM_DIR], capture_output=True, text=True, timeout=300)
 
 
+def _wait_for_start(handle: str, tmp_path: Path) -> None:
+    deadline = time.time() + 300
+    head_log = tmp_path / f"slurm-{handle.rsplit('/', 1)[1]}-head-0.err"
+    while not (head_log.is_file() and "running the job" in head_log.read_text()):
+        assert time.time() < deadline, "the job never started: " + (head_log.read_text()[-2000:] if head_log.is_file()
+                                                                    else "no head log")
+        time.sleep(2)
+
+
 @pytest.mark.slow
-def test_slurm_launch_runs_on_separate_nodes_and_is_visible_from_another_shell(tmp_path, slurm):
+def test_slurm_launch_runs_on_separate_nodes_and_a_node_joins_it_while_it_runs(tmp_path, slurm):
+    """The tiny GRPO job on Slurm, each pool on its own node, seen from other shells
+    (status, logs, sacct). While it runs, `elasticrl scale --engines 2 --join HANDLE` submits
+    one more rollout node as a Slurm job of its own: it joins the running Ray, the second
+    engine starts there and serves, and the node leaves when the job ends."""
     out = tmp_path / "run"
-    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--output", str(out),
-                 *_sets(SHORT)], tmp_path, env=slurm)
+    proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--detach", "--output", str(out),
+                 *_sets(SHORT[1:] + ["rl.num_steps=40", "eval.every_steps=20"])], tmp_path, timeout=300, env=slurm)
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = re.search(r"app handle: (slurm://\S+)", proc.stdout).group(1)
     job_id = handle.rsplit("/", 1)[1]
+    _wait_for_start(handle, tmp_path)
+    joined = _run(["scale", str(out), "--engines", "2", "--join", handle], tmp_path, timeout=120, env=slurm)
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    node_job = re.search(r"submitted: slurm://\S+/(\d+)", joined.stdout).group(1)
+    deadline = time.time() + 900
+    while (state := _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout) and "SUCCEEDED" not in state:
+        assert "FAILED" not in state and time.time() < deadline, state
+        time.sleep(3)
     # status and logs from other processes (another shell), in the launch directory
-    status = _run(["status", handle], tmp_path, timeout=120, env=slurm)
-    assert status.returncode == 0 and f"{handle}: SUCCEEDED" in status.stdout, status.stdout + status.stderr
     logs = _run(["logs", handle], tmp_path, timeout=120, env=slurm)
     assert "3 Ray node(s) up; running the job" in logs.stdout and "done, exit code 0" in logs.stdout
     nodes = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobName,NodeList,State"],
@@ -209,24 +271,27 @@ def test_slurm_launch_runs_on_separate_nodes_and_is_visible_from_another_shell(t
     where = {name: node for name, node, _ in (ln.split("|") for ln in nodes)}
     assert where["head-0"] != where["train-0"] and where["head-0"] != where["rollout-0"], where
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rows) == 3
+    assert max(r["step"] for r in rows) == 40
+    engines = [r["rollout/engines"] for r in rows if "rollout/engines" in r]
+    # the joined node is the only room for a second engine (the rollout node's CPU holds the first)
+    assert engines[0] == 1 and engines[-1] == 2, engines
+    while "COMPLETED" not in (node_state := subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-j", node_job, "-o", "State"], capture_output=True, text=True,
+            env={**os.environ, **slurm}).stdout):
+        assert time.time() < deadline, node_state  # the joined node left with the job
+        time.sleep(2)
+    print(f"a joined node's engine served from step {engines.index(2) + 1} of 40")
 
 
 @pytest.mark.slow
 def test_slurm_cancel_from_another_shell_stops_every_node(tmp_path, slurm):
-    import time
-
     before = set(_leftovers(tmp_path))
     proc = _run(["launch", str(ROOT / "examples/tiny_grpo.yaml"), "-s", "slurm", "--detach", "--output",
                  str(tmp_path / "run"), *_sets(SHORT[1:] + ["rl.num_steps=1000"])], tmp_path, timeout=300, env=slurm)
     assert proc.returncode == 0, proc.stderr[-2000:]
     handle = re.search(r"app handle: (slurm://\S+)", proc.stdout).group(1)
+    _wait_for_start(handle, tmp_path)
     deadline = time.time() + 300
-    head_log = tmp_path / f"slurm-{handle.rsplit('/', 1)[1]}-head-0.err"
-    while not (head_log.is_file() and "running the job" in head_log.read_text()):
-        assert time.time() < deadline, "the job never started: " + (head_log.read_text()[-2000:] if head_log.is_file()
-                                                                    else "no head log")
-        time.sleep(2)
     assert "RUNNING" in _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout
     assert _run(["cancel", handle], tmp_path, timeout=120, env=slurm).returncode == 0
     while True:  # TorchX 0.7.0 cannot parse 'CANCELLED by 0'; status falls back to sacct
@@ -247,8 +312,6 @@ def test_slurm_job_survives_a_trainer_rank_and_then_its_head_killed(tmp_path, sl
     no checkpoint yet) and goes on. L0: then the head node's process is SIGKILLed after the
     step-2 checkpoint; the job fails, Slurm requeues it (TorchX's retries), it resumes from
     its newest checkpoint, and `elasticrl status` tells the restart. Every step's metrics once."""
-    import time
-
     from tests.integration.faults import Fault
 
     trainer = Fault(tmp_path / "run", "ActorWorker", after=1, delay=0.3, root=1)
@@ -263,7 +326,7 @@ def test_slurm_job_survives_a_trainer_rank_and_then_its_head_killed(tmp_path, sl
     output, killed = _launch_and_kill_the_head(args, tmp_path, heads, env=slurm)
     trainer.check()
     assert any("launch.node worker" in c and "--pool train" in c for c in trainer.parents), trainer.parents
-    recovered = re.search(r"actor rank \d died \(ActorDiedError\) at step 2; recovered in ([\d.]+) s from step 0",
+    recovered = re.search(r"actor rank \d died \(ActorDiedError\) at step 2; recovered in ([\d.]+) s from step 0 \(the start\)",
                           output)
     assert recovered, output[-3000:]
     handle = re.search(r"app handle: (slurm://\S+)", output).group(1)

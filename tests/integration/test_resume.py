@@ -150,26 +150,32 @@ def test_iterative_dpo_resumes_exactly_after_a_round(ray_cluster, tmp_path):
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
 def test_a_trainer_rank_lost_mid_step_is_recovered_in_the_job(grpo, tmp_path, capsys, sig):
     """Elasticity L3: an actor rank is SIGKILLed (or stopped: the watchdog finds the hang) in
-    step 4: the actor is re-formed on 2 ranks from the step-2 checkpoint while the engine
-    stays up, steps 3-4 are redone with the same data and seeds, and every metric equals the
-    uninterrupted run's (exact: the restore is at a step boundary, on the same layout)."""
+    step 4: the actor is re-formed on 2 ranks while the engine stays up, from the step-2
+    checkpoint (killed: steps 3-4 redone) or from the driver's in-memory copy of step 3
+    (hung, with fault.memory_copy_steps=1: only step 4 redone), with the same data and seeds,
+    and every metric equals the uninterrupted run's (exact: the restore is at a step
+    boundary, on the same layout)."""
     import signal
 
     from tests.integration.faults import Fault
 
     out = tmp_path / "run"
+    copy = ["fault.memory_copy_steps=1"] if sig == "SIGSTOP" else []
     fault = Fault(out, "ActorWorker", after=3, sig=getattr(signal, sig), delay=0.3)
     fault.start()
-    summary = run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", GRPO), out)
+    summary = run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", GRPO + copy), out)
     fault.check()
     [recovery] = summary["recoveries"]
-    assert recovery["step"] == 4 and recovery["from_step"] == 2 and recovery["ranks"] == 2
+    source, start = ("the in-memory copy", 3) if copy else ("the newest checkpoint", 2)
+    assert (recovery["step"], recovery["from_step"], recovery["from"], recovery["ranks"]) == (4, start, source, 2)
     assert ("died (ActorDiedError)" if sig == "SIGKILL" else "stopped answering") in recovery["what"]
     assert recovery["recovered_at"] - fault.at < 60  # detected and recovered within a minute
     said = capsys.readouterr().err
-    assert f"{recovery['what']} at step 4; recovered in" in said and "from step 2 on 2 rank(s)" in said
+    assert f"{recovery['what']} at step 4; recovered in" in said and f"from step {start} ({source}) on 2 rank(s)" in said
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == list(range(7))
     assert _rows(out)[6]["fault/trainer_restarts"] == 1 and _rows(out)[6]["fault/seconds_lost"] > 0
+    if copy:  # the copy became a checkpoint when the recovery needed it
+        assert (out / "checkpoints" / "step_0000003" / "trainer_state.json").is_file()
     print(f"{recovery['what']}: recovered {recovery['recovered_at'] - fault.at:.1f} s after the signal "
-          f"(re-forming {recovery['seconds']} s); steps 3-4 redone")
+          f"(re-forming {recovery['seconds']} s) from {source}; step(s) {start + 1} to 4 redone")
     _same_after(grpo, out, 0)

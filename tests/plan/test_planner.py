@@ -8,7 +8,7 @@ import pytest
 from elasticrl.plan import Inventory, PlanError, plan_job
 from elasticrl.plan.arch import KNOWN, arch_of
 from elasticrl.plan.memory import GB, engine_need, model_states
-from elasticrl.plan.planner import USABLE
+from elasticrl.plan.planner import USABLE, fewer_ranks
 from elasticrl.spec import explicit_fields, load_spec, read_raw
 from tests.conftest import EXAMPLES, run_cli
 
@@ -132,3 +132,19 @@ def test_plan_cli_prints_the_table_and_refuses_with_exit_2():
     bad = run_cli("plan", "examples/ppo_70b.yaml", "--gpus", "4", "--gpu-mem", "24", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: examples/ppo_70b.yaml: no placement")
     assert "Traceback" not in bad.stderr
+
+
+def test_fewer_ranks_keeps_the_global_batch_in_whole_micro_batches():
+    def spec(**train):
+        sets = [f"train.{k}={v}" for k, v in train.items()]
+        return load_spec(read_raw(EXAMPLES / "tiny_grpo.yaml", sets), check_paths=False)
+
+    # 128 = 64 x dp x accumulation: 3 ranks cannot (192 > 128), 2 (accumulation 1) and 1 (2) can
+    s = spec(global_batch_size=128, micro_batch_size=64, num_ranks=2)
+    assert [fewer_ranks(s, "actor", n) for n in (3, 2, 1)] == [2, 2, 1]
+    # tensor-parallel pairs: 6 ranks are dp 3 (128 % 48 != 0), 4 are dp 2 (128 % 32 == 0); 1 is no pair
+    s = spec(global_batch_size=128, micro_batch_size=16, num_ranks=8, tp_size=2)
+    assert (fewer_ranks(s, "actor", 7), fewer_ranks(s, "actor", 1)) == (4, None)
+    # the critic takes whole shares: 64 over 7, 6 or 5 ranks does not split, over 4 it does
+    s = spec(global_batch_size=64, micro_batch_size=32, num_ranks=1)
+    assert (fewer_ranks(s, "critic", 7), fewer_ranks(s, "actor", 7)) == (4, 2)
