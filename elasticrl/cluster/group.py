@@ -151,7 +151,8 @@ class RoleGroup:
             ).remote(*args, **kwargs)
 
         self._start = start
-        self._bundle = None if shared is not None else {**backend.bundle(gpus_per_rank, cpus_per_rank),
+        # what one rank of its own takes (None when colocated: the ranks share bundles)
+        self.bundle = None if shared is not None else {**backend.bundle(gpus_per_rank, cpus_per_rank),
                                                          **pool_resource(pool)}
         self.actors = [start(i) for i in range(num_ranks)]
 
@@ -217,10 +218,10 @@ class RoleGroup:
     def add(self) -> int:
         """One more rank, on a placement group of its own (it starts when the cluster has
         room for it); returns its rank. Not for colocated roles, whose bundles are shared."""
-        if self._bundle is None:
+        if self.bundle is None:
             raise RoleError(f"{self.role}: a colocated role cannot grow (its ranks share the other roles' devices)")
         rank = len(self.actors)
-        pg = placement_group([self._bundle], name=f"elasticrl-{self.role}-{uuid.uuid4().hex[:8]}")
+        pg = placement_group([self.bundle], name=f"elasticrl-{self.role}-{uuid.uuid4().hex[:8]}")
         self._extra.append((rank, pg))
         self.actors.append(self._start(rank, pg))
         return rank

@@ -240,16 +240,22 @@ class RolloutPool:
         replacements that are up; the sender re-attaches when the live engines changed, and
         an engine that dies during the sync is dropped and the sync done again without it."""
         trainer, self.version = self._sender[0], version
-        for attempt in range(2):
-            if self.admit():
-                trainer.call("detach_rollout")
-                trainer.call("attach_rollout", self.engines, self.infos, *self._sender[1:])
-            try:
-                return trainer.call("sync_weights", version)[0]
-            except RoleError:
-                if attempt or not self.prune():
-                    raise
-        raise AssertionError("unreachable")
+        if self.admit():
+            self._reattach()
+        try:
+            return trainer.call("sync_weights", version)[0]
+        except RoleError:
+            if not self.prune():
+                raise
+        self.admit()  # what came up meanwhile joins the retry
+        self._reattach()
+        return trainer.call("sync_weights", version)[0]
+
+    def _reattach(self) -> None:
+        """A new weight sender over the live engines (they changed)."""
+        trainer = self._sender[0]
+        trainer.call("detach_rollout")
+        trainer.call("attach_rollout", self.engines, self.infos, *self._sender[1:])
 
     def prune(self) -> bool:
         """Drop the engines whose process is gone; True when there were some."""
@@ -268,8 +274,8 @@ class RolloutPool:
         have = len(self.live) + len(self.starting)
         for _ in range(max(0, engines - have)):
             free = ray.available_resources()
-            short = [f"{k} {v:g} (free {free.get(k, 0):g})" for k, v in self.group._bundle.items()
-                     if free.get(k, 0) < v] if self.group._bundle else []
+            short = [f"{k} {v:g} (free {free.get(k, 0):g})" for k, v in self.group.bundle.items()
+                     if free.get(k, 0) < v] if self.group.bundle else []
             slot = self.group.add()
             self.starting[slot] = (self.group.actors[slot].info.remote(), time.time())
             self._event(f"rollout engine {slot} starting{self._at().replace(' at', ' after')} (asked: {engines})"
