@@ -84,9 +84,10 @@ class RolloutPool:
     boundary, where the trainer re-attaches its weight sender (``changed``)."""
 
     def __init__(self, model_path: str, spec: RolloutSpec, dtype: str, seed: int, trust_remote_code: bool = False,
-                 where: dict | None = None):
+                 where: dict | None = None, wait: bool = True):
         """``where``: the RoleGroup placement options (``cluster.Placement.options('rollout')``);
-        by default each engine gets its own devices."""
+        by default each engine gets its own devices. ``wait=False``: return while the engines
+        start (the caller builds its other roles meanwhile) and call ``ready`` before use."""
         self.spec = spec
         env = backend.rollout_env(spec.tp_size, spec.kv_cache_gib, spec.cpus_per_engine)
         where = where or {"gpus_per_rank": spec.tp_size, "cpus_per_rank": spec.cpus_per_engine}
@@ -96,8 +97,9 @@ class RolloutPool:
             **where,
             # Threads let generation wait while a weight sync is in progress (see engine.py).
             actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})
-        self._infos = dict(enumerate(self.group.call("info")))
-        self.live = sorted(self._infos)          # engine slots that serve
+        self._info_refs = [a.info.remote() for a in self.group.actors]
+        self._infos: dict[int, dict] = {}
+        self.live: list[int] = []                # engine slots that serve
         self.starting: dict[int, tuple] = {}     # slot -> (its info() ref, start time) of replacements
         self.restarts_left = spec.max_restarts
         self.deaths = 0
@@ -107,6 +109,14 @@ class RolloutPool:
         self._rate = 0.0                         # tokens per second of one engine, measured
         self._sender = None                      # (trainer group, transport, bucket MiB, files dir)
         self.version = 0                         # the weight version the engines hold
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until the engines started (their ``info``); raises the first one's failure."""
+        if self._info_refs:
+            self._infos = dict(enumerate(self.group._get(self._info_refs, method="info")))
+            self.live, self._info_refs = sorted(self._infos), []
 
     @property
     def engines(self) -> list:

@@ -91,6 +91,11 @@ class Roles:
             log.warning("placement.offload_idle: ignored without GPUs (frozen models stay in host memory anyway)")
         self.groups: list[RoleGroup] = []
         self.actor = self.critic = None
+        t0 = time.time()
+        # the engines start first and load while the trained and frozen roles are built
+        self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
+                                spec.model.trust_remote_code, where=p.options("rollout"), wait=False)
+        self.groups.append(self.pool.group)
         self.form_trained(resume_dir)
         self.reference = None
         if "reference" in p.roles:
@@ -101,9 +106,9 @@ class Roles:
             g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
             g.setup()
             self.rewards.append((g, m.weight))
-        self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
-                                spec.model.trust_remote_code, where=p.options("rollout"))
-        self.groups.append(self.pool.group)
+        t_models = time.time()
+        self.pool.ready()
+        self.startup = {"models_s": round(t_models - t0, 1), "roles_s": round(time.time() - t0, 1)}
 
     def form_trained(self, resume_dir: Path | None, elastic: bool = False) -> None:
         """The trained roles, the actor and (ppo) the critic, from ``resume_dir``'s checkpoint or
@@ -238,6 +243,9 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
             // spec.train.global_batch_size
         roles = Roles(spec, paths, total_updates, resume_dir)
         summary["placement"] = roles.layout()
+        summary["startup"] = roles.startup
+        print(f"start-up: every role up in {roles.startup['roles_s']} s (trained and frozen models "
+              f"{roles.startup['models_s']} s, the engines starting meanwhile)", file=sys.stderr, flush=True)
         try:
             tok = load_tokenizer(paths["model"], spec.model.trust_remote_code)
             evals_used = evals[: spec.eval.num_prompts or None]
