@@ -68,8 +68,11 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> str:
     return str(write_text(path, "".join(json.dumps(r) + "\n" for r in rows)))
 
 
-def sample_indices(num_records: int, seed: int, start: int, count: int) -> list[int]:
-    """Global sample positions [start, start+count) mapped to record indices."""
+def sample_indices(num_records: int, seed: int, start: int, count: int, shuffle: bool = True) -> list[int]:
+    """Global sample positions [start, start+count) mapped to record indices: each epoch a
+    seeded permutation, or (``shuffle=False``, ``data.shuffle``) the records in file order."""
+    if not shuffle:
+        return [pos % num_records for pos in range(start, start + count)]
     out = []
     for pos in range(start, start + count):
         epoch, offset = divmod(pos, num_records)

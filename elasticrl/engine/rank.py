@@ -77,7 +77,7 @@ class TrainRank:
         """Record indices of step ``step``'s global batch (the seeded order of
         data.records.sample_indices: any world size reads the same records)."""
         B = self.train.global_batch_size
-        return sample_indices(num_records, self.spec.seed, step * B, B)
+        return sample_indices(num_records, self.spec.seed, step * B, B, self.spec.data.shuffle)
 
     def micro_batches(self, num_records: int, step: int) -> list[list[int]]:
         """This rank's record indices of step ``step``'s global batch, in micro-batches; the

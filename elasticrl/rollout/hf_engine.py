@@ -86,9 +86,13 @@ class HFRolloutEngine:
                 tokens = tokens[: tokens.index(eos) + 1]
                 finish = "stop"
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            for stop in sampling.get("stop") or []:
-                if stop in text:
-                    text, finish = text[: text.index(stop)], "stop"
+            stops = [s for s in sampling.get("stop") or [] if s in text]
+            if stops:  # as vLLM: generation ends at the token that completes a stop string
+                end = next(k for k in range(1, len(tokens) + 1)
+                           if any(s in self.tokenizer.decode(tokens[:k], skip_special_tokens=True) for s in stops))
+                tokens, finish = tokens[:end], "stop"
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                text = text[: min(text.index(s) for s in stops if s in text)]
             results.append({"prompt_index": row // n, "token_ids": tokens, "text": text, "finish_reason": finish,
                             "logprobs": [logp[row, t, tok].item() for t, tok in enumerate(tokens)],
                             "weight_version": self.gate.version})

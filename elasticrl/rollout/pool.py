@@ -51,13 +51,13 @@ def prompt_seed(seed: int, prompt_index: int, samples_per_prompt: int) -> int:
 
 def sampling_params(spec: JobSpec, step: int | None, max_tokens: int | None = None) -> dict:
     """SamplingParams fields of sampled rollouts: rl.samples_per_prompt completions per prompt at
-    rl.temperature, rl.top_p and rl.top_k (rl.min_tokens, rl.ignore_eos), seeded for step ``step`` (None: the run's own seed,
+    rl.temperature, rl.top_p and rl.top_k (rl.min_tokens, rl.ignore_eos, rl.stop), seeded for step ``step`` (None: the run's own seed,
     which evaluation uses so that every evaluation draws alike)."""
     rl = spec.rl
     return {"n": rl.samples_per_prompt, "temperature": rl.temperature, "top_p": rl.top_p,
             "max_tokens": max_tokens or rl.max_new_tokens, **({"top_k": rl.top_k} if rl.top_k else {}),
             **({"min_tokens": rl.min_tokens} if rl.min_tokens else {}),
-            **({"ignore_eos": True} if rl.ignore_eos else {}),
+            **({"ignore_eos": True} if rl.ignore_eos else {}), **({"stop": list(rl.stop)} if rl.stop else {}),
             "seed": spec.seed if step is None else rollout_seed(spec.seed, step)}
 
 
@@ -326,7 +326,8 @@ class RolloutPool:
 def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals: list[dict]) -> dict:
     """Held-out accuracy of greedy answers, and pass@k of ``rl.eval_samples`` sampled ones."""
     ak, k = spec.data.answer_key, spec.rl.eval_samples
-    greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens})
+    greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens,
+                                      **({"stop": list(spec.rl.stop)} if spec.rl.stop else {})})
     out = {"eval/accuracy": sum(is_correct(r["text"], evals[r["prompt_index"]][ak]) for r in greedy) / len(eval_ids)}
     if k > 1:
         sampled = pool.generate(eval_ids, {**sampling_params(spec, None, spec.eval.max_new_tokens), "n": k})

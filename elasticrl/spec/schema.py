@@ -53,6 +53,8 @@ class DataSpec:
     eval: Optional[str] = doc(
         "JSON-lines file of held-out prompts with answers; null uses the embedded ones.", None)
     prompt_key: str = doc("Key of the prompt in each JSON line.", "prompt")
+    shuffle: bool = doc("Draw the training records in a seeded order, a new one each epoch (false: in the "
+                        "file's order, epoch after epoch).", True)
     response_key: str = doc("Key of the target response in each JSON line (SFT).", "response")
     answer_key: str = doc("Key of the reference answer in eval lines.", "answer")
     chosen_key: str = doc("Key of the preferred response in preference lines (rm, dpo).", "chosen")
@@ -147,6 +149,9 @@ class RLSpec:
     min_tokens: int = doc("Shortest completion, in tokens (no end-of-sequence before).", 0, min=0)
     ignore_eos: bool = doc("Generate max_new_tokens tokens whatever the model says (benchmarks, fault tests).",
                            False)
+    stop: list[str] = doc("Strings that end a completion (rollouts, rounds and evaluation): the tokens up to the "
+                          "one that completed the string are trained on, the rewards see the text before it.",
+                          factory=list)
     num_steps: int = doc("RL steps (rollout + update) to run.", 100, min=1)
     epochs: int = doc("Passes over each rollout batch (PPO epochs).", 1, min=1)
     clip_low: float = doc("PPO ratio clip below 1 (1 - clip_low).", 0.2, min=0)
@@ -296,6 +301,8 @@ class InitSpec:
 
 @dataclass
 class EvalSpec:
+    enabled: bool = doc("Evaluate on held-out prompts at all (false: never, not even at the start or the end; "
+                        "for benchmarks and throwaway runs).", True)
     every_steps: int = doc("Evaluate held-out prompts every N steps (and at the end); 0 only at the end.",
                            100, min=0)
     num_prompts: int = doc("Held-out prompts per evaluation (0 = all).", 256, min=0)

@@ -203,6 +203,13 @@ def save_checkpoint(groups: dict, spec: JobSpec, output: Path, step: int, state:
                            f"{fewer}{kept}") from exc
 
 
+def eval_due(spec: JobSpec, done: int, total: int) -> bool:
+    """Whether the held-out evaluation runs after step ``done`` of ``total``: every
+    ``eval.every_steps`` and at the end, unless ``eval.enabled`` is false."""
+    every = spec.eval.every_steps
+    return spec.eval.enabled and (bool(every and done % every == 0) or done == total)
+
+
 def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str,
                  start: int | None = None) -> dict:
     """The driver of the trainers on a fixed dataset (rm, prm, dpo, kto): evaluate the start,
@@ -212,17 +219,16 @@ def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evalu
     metrics = MetricsLog(output / "metrics.jsonl", resume_step=start)
     progress = Progress(total, start or 0, spec.log.progress_bar, desc=spec.algorithm)
     summary: dict = {}
-    if not start:
+    if not start and spec.eval.enabled:
         summary["initial"] = evaluate()
         metrics.write({"step": 0, **summary["initial"]})
-    every = spec.eval.every_steps
     row: dict = {}
     for step in range(start or 0, total):
         t0 = time.time()
         res = [r for r in group.call("train_step", step) if r["leader"]]
         done = step + 1
         row = {"step": done, **step_row(res), "step_seconds": time.time() - t0}
-        evaluated = (every and done % every == 0) or done == total
+        evaluated = eval_due(spec, done, total)
         if evaluated:
             row.update(evaluate())
         if done % spec.log.every_steps == 0 or evaluated:

@@ -241,7 +241,7 @@ def run_preference(spec: JobSpec, output: Path) -> dict:
             if spec.preference.reference == "precomputed":
                 drawn = total * t.global_batch_size  # only the pairs the run will draw
                 keys = list(range(records)) if drawn >= records else \
-                    sorted(set(sample_indices(records, spec.seed, 0, drawn)))
+                    sorted(set(sample_indices(records, spec.seed, 0, drawn, spec.data.shuffle)))
                 shares = group.call("reference_share", keys, spec.eval.num_prompts)
                 table = {split: {k: v for share in shares for k, v in share[split].items()} for split in ("train", "eval")}
                 group.call("use_reference_table", ray.put(table))

@@ -45,8 +45,8 @@ from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, advantage_of
 from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
-from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, check_user_files, find_resume, finish_run,
-                                     prepare_output, save_checkpoint)
+from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, check_user_files, eval_due, find_resume,
+                                     finish_run, prepare_output, save_checkpoint)
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
 from elasticrl.world import world_paths
@@ -271,7 +271,7 @@ def _train_run(run: Run, resume_dir: Path | None) -> dict:
         roles.pool.sync(run.version)
     run.metrics = MetricsLog(run.output / "metrics.jsonl", resume_step=start if resume_dir else None)
     summary: dict = {"transport": transport}
-    if start == 0 and spec.eval.every_steps:
+    if start == 0 and spec.eval.every_steps and spec.eval.enabled:
         summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals)}
         run.metrics.write(summary["initial"])
     run.progress = Progress(spec.rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
@@ -376,7 +376,8 @@ def rollout(run: Run, step: int) -> Step:
 
 def _submit(run: Run, step: int) -> None:
     rl = run.spec.rl
-    idx = sample_indices(len(run.prompts), run.spec.seed, step * rl.prompts_per_step, rl.prompts_per_step)
+    idx = sample_indices(len(run.prompts), run.spec.seed, step * rl.prompts_per_step, rl.prompts_per_step,
+                         run.spec.data.shuffle)
     handle = run.roles.pool.submit([run.prompt_ids[i] for i in idx], sampling_params(run.spec, step))
     run.pending.append((step, idx, handle))
 
@@ -547,7 +548,7 @@ def report(run: Run, s: Step) -> dict:
     if copy and done % copy == 0 and not _checkpoint_after(spec, s.step):  # before the row: it has it
         run.copy = (done, {role: _merged(g.call("snapshot")) for role, g in _trained(run.roles).items()},
                     _driver_state(run, done))
-    if (spec.eval.every_steps and done % spec.eval.every_steps == 0) or last:
+    if eval_due(spec, done, spec.rl.num_steps):
         row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals))
     if done % spec.log.every_steps == 0 or "eval/accuracy" in row or last or done == 1:
         run.metrics.write(row)

@@ -107,14 +107,14 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
     start, version = state["round"], state["version"]
     metrics = MetricsLog(output / "metrics.jsonl", resume_step=start * r.steps_per_round if start else None)
     summary: dict = {}
-    if not start:
+    if not start and spec.eval.enabled:
         summary["initial"] = {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals)}
         metrics.write(summary["initial"])
     progress = Progress(r.num_rounds, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
     for rnd in range(start, r.num_rounds):
         t0 = time.time()
-        idx = sample_indices(len(prompts), spec.seed, rnd * r.prompts_per_round, r.prompts_per_round)
+        idx = sample_indices(len(prompts), spec.seed, rnd * r.prompts_per_round, r.prompts_per_round, d.shuffle)
         batch = [prompts[i] for i in idx]
         results = pool.generate([encode(p[d.prompt_key]) for p in batch], sampling_params(spec, rnd))
         texts = [[] for _ in batch]
@@ -144,7 +144,8 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
             row.update({"loss": sum(losses) / len(losses), "time/train": time.time() - t1})
             version = rnd + 1
             row.update(pool.sync(version))
-        row.update(evaluate_answers(spec, pool, eval_ids, evals))
+        if spec.eval.enabled:
+            row.update(evaluate_answers(spec, pool, eval_ids, evals))
         metrics.write(row)
         every, steps = spec.checkpoint.every_steps, r.steps_per_round
         if every and ((rnd + 1) * steps // every > rnd * steps // every or rnd + 1 == r.num_rounds):

@@ -23,8 +23,8 @@ from elasticrl.engine.rank import TrainRank
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
-from elasticrl.trainers.loop import (MetricsLog, Progress, find_resume, finish_run, num_steps, prepare_output,
-                                     save_checkpoint)
+from elasticrl.trainers.loop import (MetricsLog, Progress, eval_due, find_resume, finish_run, num_steps,
+                                     prepare_output, save_checkpoint)
 from elasticrl.world import world_paths
 
 
@@ -135,8 +135,7 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int
     metrics = MetricsLog(output / "metrics.jsonl", resume_step=start if start else None)
     progress = Progress(total, start, spec.log.progress_bar, desc="sft")
     summary: dict = {}
-    every = spec.eval.every_steps
-    if start == 0 and every:
+    if start == 0 and spec.eval.every_steps and spec.eval.enabled:
         acc = _evaluate(group, spec)
         metrics.write({"step": 0, "eval/accuracy": acc})
         summary["initial_eval_accuracy"] = acc
@@ -151,7 +150,7 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int
                "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
                "tokens_per_s": sum(r["seq_tokens"] for r in leaders) / seconds,
                "samples": done * spec.train.global_batch_size, "step_seconds": seconds}
-        if (every and done % every == 0) or done == total:
+        if eval_due(spec, done, total):
             row["eval/accuracy"] = _evaluate(group, spec)
         if done % spec.log.every_steps == 0 or "eval/accuracy" in row or done == total or done == 1:
             metrics.write(row)

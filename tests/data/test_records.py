@@ -14,6 +14,8 @@ def test_sample_order_is_a_pure_function_of_position():
     assert sample_indices(n, 3, 4, 8) == (first_epoch + sample_indices(n, 3, 10, 10))[4:12]
     assert sample_indices(n, 3, 10, n) != first_epoch  # a new permutation each epoch
     assert sample_indices(n, 4, 0, n) != first_epoch
+    # data.shuffle: false reads the file in order, epoch after epoch, whatever the seed
+    assert sample_indices(4, 3, 2, 7, shuffle=False) == [2, 3, 0, 1, 2, 3, 0]
 
 
 def test_sft_tokens_mask_the_prompt():

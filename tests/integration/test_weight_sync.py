@@ -106,3 +106,26 @@ def test_transformers_fallback_engine_generates_and_receives_weights(ray_cluster
     finally:
         group.shutdown()
         hf_pool.shutdown()
+
+
+def test_a_stop_string_ends_a_completion_alike_on_vllm_and_transformers(pool, ray_cluster):
+    """rl.stop as both engines apply it: generation ends at the token that completes the
+    string (those tokens are what the trainer sees), the text ends before it."""
+    from elasticrl.models import load_tokenizer
+
+    spec = load_spec({}, SPEC + ["rollout.backend=hf", "rollout.num_engines=1"])
+    tok = load_tokenizer(resolve_paths(spec)["model"])
+    hf_pool = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", seed=0)
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    try:
+        for engines in (pool, hf_pool):
+            [full] = engines.generate([PROBE[0][:8]], greedy)
+            tokens, text = full["token_ids"], full["text"]
+            start = len(tok.decode(tokens[:2], skip_special_tokens=True))
+            stop = next(c for c in text[start:] if not c.isspace())  # a character the answer reaches later
+            end = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k], skip_special_tokens=True))
+            [cut] = engines.generate([PROBE[0][:8]], {**greedy, "stop": [stop]})
+            assert cut["token_ids"] == tokens[:end] and cut["finish_reason"] == "stop", (engines.infos, stop)
+            assert cut["text"] == text[: text.index(stop)]
+    finally:
+        hf_pool.shutdown()
