@@ -174,6 +174,11 @@ class RLSpec:
     freeze_actor_steps: int = doc("Steps during which only the critic learns (PPO warm-up trick).", 0, min=0)
     dynamic_sampling: bool = doc("Drop prompt groups whose rewards do not vary (no learning signal).", False)
     async_rollout: bool = doc("Overlap the rollout of step t+1 with the training of step t.", False)
+    old_logprobs: Literal["auto", "forward"] = doc(
+        "The policy's log-probs of the rollouts before the update (the PPO ratio's denominator). 'auto': when "
+        "the update is on-policy (rl.epochs 1, one mini-batch per rollout batch, not async, no KL in the "
+        "reward) they are the log-probs the update computes, so that forward pass is skipped (the ratio is 1 "
+        "by construction; `kl` is then the mean over micro-batches); 'forward': always computed.", "auto")
     max_staleness: int = doc("Async: most weight versions a batch may lag the policy it trains.", 1, min=1)
     tis_cap: Optional[float] = doc(
         "Truncated importance-sampling cap for off-policy batches (async); null disables.", 2.0)

@@ -464,17 +464,29 @@ def _model_passes(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tensor:
     rl, roles, batch = run.spec.rl, run.roles, s.batch
     ref = ray.put(batch)
     mask = batch["response_mask"]
-    old = batch["old_logprobs"] = gather_rows(roles.actor.call("logprobs", ref), "logprobs")
+    reuse = reuses_update_logprobs(run.spec)
+    if not reuse:
+        old = batch["old_logprobs"] = gather_rows(roles.actor.call("logprobs", ref), "logprobs")
     token_rewards = last_token_rewards(rewards, mask)
     if roles.reference is not None:
         ref_lp = batch["ref_logprobs"] = gather_rows(roles.reference.call("score", ref), "values")
-        kl = KL_ESTIMATORS[rl.kl_estimator](old, ref_lp) * mask
-        s.info["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
-        if rl.kl_mode == "reward":
-            token_rewards = token_rewards - rl.kl_coef * kl
+        if not reuse:  # else the update reports it
+            kl = KL_ESTIMATORS[rl.kl_estimator](old, ref_lp) * mask
+            s.info["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+            if rl.kl_mode == "reward":
+                token_rewards = token_rewards - rl.kl_coef * kl
     if roles.critic is not None:
         batch["old_values"] = gather_rows(roles.critic.call("values", ref), "values")
     return token_rewards
+
+
+def reuses_update_logprobs(spec: JobSpec) -> bool:
+    """Whether the old log-probs are the update's own (``rl.old_logprobs: auto``): one pass of
+    one mini-batch over fresh rollouts trains the very policy that sampled them."""
+    rl = spec.rl
+    return (rl.old_logprobs == "auto" and rl.epochs == 1 and not rl.async_rollout
+            and not (rl.kl_coef > 0 and rl.kl_mode == "reward")
+            and rl.prompts_per_step * rl.samples_per_prompt == spec.train.global_batch_size)
 
 
 def _advantages(run: Run, s: Step, rewards: torch.Tensor, token_rewards: torch.Tensor) -> None:
@@ -521,7 +533,7 @@ def train(run: Run, s: Step) -> None:
         if s.step >= rl.freeze_actor_steps:
             a = [r for r in roles.actor.call("train", ref, s.step) if r["leader"]]
             s.stats["policy_loss"] = sum(x["policy_loss_sum"] for x in a) / max(1, a[0]["minibatches"])
-            for key in ("clip_frac", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr"):
+            for key in ("clip_frac", "approx_kl", "entropy", "kl_loss", "kl", "grad_norm", "lr"):
                 vals = [x[key] for x in a if x.get(key) is not None]
                 if vals:
                     s.stats[key] = sum(vals) / len(vals)

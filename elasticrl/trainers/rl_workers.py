@@ -119,11 +119,13 @@ class ActorWorker(_TrainedRole):
                 logits = self._logits(mb)
                 logp = token_logprobs(logits, mb["labels"], rl.temperature)
                 mask = mb["response_mask"]
+                # on-policy (rl.old_logprobs: auto): the policy before this update is this one
+                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
                 weights = None
                 if "behaviour_logprobs" in mb and rl.tis_cap is not None:
                     # Truncated importance sampling: the batch came from an older policy.
-                    weights = torch.exp(mb["old_logprobs"] - mb["behaviour_logprobs"]).clamp(max=rl.tis_cap)
-                loss, pstats = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, clip_low=rl.clip_low,
+                    weights = torch.exp(old - mb["behaviour_logprobs"]).clamp(max=rl.tis_cap)
+                loss, pstats = policy_loss(logp, old, mb["advantages"], mask, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high, dual_clip=rl.dual_clip, token_weights_bt=weights,
                                            aggregation=rl.loss_aggregation, **denom)
                 total = loss
@@ -131,6 +133,8 @@ class ActorWorker(_TrainedRole):
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, rl.loss_aggregation, **denom)
                     total = total + rl.kl_coef * kl
                     pstats["kl_loss"] = kl.item()
+                if "old_logprobs" not in mb and "ref_logprobs" in mb:  # the experience phase had none
+                    pstats["kl"] = aggregate(kl_fn(old, mb["ref_logprobs"]), mask, "token_mean").item()
                 entropy_bt = entropy_from_logits(_tempered(logits[:, :-1], rl.temperature))
                 if rl.entropy_coef > 0:
                     total = total - rl.entropy_coef * aggregate(entropy_bt, mask, rl.loss_aggregation, **denom)

@@ -225,3 +225,24 @@ def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_pa
     torch.testing.assert_close(trainer * mask, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(engine * mask, expected, atol=1e-4, rtol=0)
     assert ((token_logprobs(logits, batch["labels"]) * mask - expected).abs().max()) > 0.05
+
+
+def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray_cluster, tmp_path):
+    """rl.old_logprobs: auto with one mini-batch per rollout batch (8 prompts x 4 = the global
+    batch of 32): the update's own log-probs are the old ones, so the ratio is exactly 1 (no
+    clipping, approx_kl 0) and the forward pass before it is skipped; the run matches one
+    that computes that pass (rl.old_logprobs: forward) step for step."""
+    sets = BASE + ["train.global_batch_size=32", "rl.num_steps=3", "eval.every_steps=0", "rl.kl_coef=0.05",
+                   "rl.kl_mode=loss", "rl.kl_estimator=k3"]
+    runs = {}
+    for mode in ("auto", "forward"):
+        run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}"]), tmp_path / mode)
+        runs[mode] = _steps(tmp_path / mode)
+    assert sorted(runs["auto"]) == sorted(runs["forward"]) == [1, 2, 3]
+    for step, row in runs["auto"].items():
+        other = runs["forward"][step]
+        assert row["approx_kl"] == 0.0 and row["clip_frac"] == 0.0
+        assert row["reward/mean"] == other["reward/mean"] and row["response_length"] == other["response_length"]
+        for key in ("policy_loss", "kl_loss", "kl", "entropy", "grad_norm"):
+            assert row[key] == pytest.approx(other[key], abs=1e-4), (step, key, row[key], other[key])
+    assert runs["auto"][3]["kl"] > 0  # the reference is scored and the KL reported either way
