@@ -40,7 +40,8 @@ def _tree_rss(pid: int) -> int:
         if entry.name.isdigit():
             try:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                parent[int(entry.name)], rss[int(entry.name)] = int(fields[1]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+                pid = int(entry.name)
+                parent[pid], rss[pid] = int(fields[1]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
             except (OSError, IndexError, ValueError):
                 continue
     total, frontier = rss.get(pid, 0), {pid}

@@ -212,15 +212,14 @@ def scale(
     from elasticrl.trainers.loop import ask_engines, engines_now
 
     try:
-        added = engines - engines_now(output)
-        if join and added < 1:
-            raise ValueError(f"--join: a node is for more engines: ask for more than the {engines_now(output)} "
-                             "the job has")
+        have = engines_now(output)
+        if join and engines <= have:
+            raise ValueError(f"--join: a node is for more engines: ask for more than the {have} the job has")
         attempt = submit.running_attempt(join) if join else None
         ask_engines(output, engines)
         if join:
-            typer.echo(f"{output}: a rollout node for {added} engine(s) submitted: "
-                       f"{submit.join_node(attempt, str(output), added, node_gpus, submit.parse_cfg(cfg))}")
+            typer.echo(f"{output}: a rollout node for {engines - have} engine(s) submitted: "
+                       f"{submit.join_node(attempt, str(output), engines - have, node_gpus, submit.parse_cfg(cfg))}")
     except ValueError as exc:
         _fail(str(exc), 2)
     typer.echo(f"{output}: asked for {engines} rollout engine(s); the job applies it at its next step")

@@ -99,9 +99,9 @@ def join_node(app_id: str, output: str, engines: int, gpus: int, cfg: dict) -> s
     joins the app's Ray through the address and token its head published in this folder.
     Returns its handle."""
     from components.elasticrl import node
-    from elasticrl.spec import load_spec, read_raw
+    from elasticrl.trainers.loop import job_spec
 
-    rollout = load_spec(read_raw(Path(output) / "spec.yaml"), check_paths=False).rollout
+    rollout = job_spec(Path(output)).rollout
     cpus = 8 * gpus if gpus else engines * rollout.cpus_per_engine
     app = node(app_id, "rollout", cpus, gpus, output=output, image=os.getcwd(), python=sys.executable)
     return runner().schedule(dryrun(app, "slurm", cfg))

@@ -63,24 +63,29 @@ def ask_engines(output: Path, engines: int) -> Path:
     request at its next step boundary)."""
     if engines < 1:
         raise ValueError(f"--engines: a job needs at least 1 rollout engine, got {engines}")
-    if not (output / "spec.yaml").is_file():
-        raise ValueError(f"{output}: no job runs there (no spec.yaml); give the --output of a running job")
+    job_spec(output)
     if (output / FINISHED).is_file():
         raise ValueError(f"{output}: that job has finished; scaling applies to a running job")
     return write_text(output / SCALE, json.dumps({"engines": engines, "asked_at": time.time()}))
 
 
-def engines_now(output: Path) -> int:
-    """The rollout engines of the job in ``output``: its last metrics row's, else its spec's."""
+def job_spec(output: Path) -> JobSpec:
+    """The spec of the job writing into ``output`` (its spec.yaml); ValueError when none is."""
     if not (output / "spec.yaml").is_file():
         raise ValueError(f"{output}: no job runs there (no spec.yaml); give the --output of a running job")
+    return load_spec(read_raw(output / "spec.yaml"), check_paths=False)
+
+
+def engines_now(output: Path) -> int:
+    """The rollout engines of the job in ``output``: its last metrics row's, else its spec's."""
+    spec = job_spec(output)
     path = output / "metrics.jsonl"
     for line in reversed(path.read_text().splitlines() if path.is_file() else []):
         with contextlib.suppress(ValueError):
             row = json.loads(line)
             if "rollout/engines" in row:
                 return int(row["rollout/engines"])
-    return load_spec(read_raw(output / "spec.yaml"), check_paths=False).rollout.num_engines
+    return spec.rollout.num_engines
 
 
 def asked_engines(output: Path, seen: float) -> tuple[int | None, float]:

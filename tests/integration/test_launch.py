@@ -326,7 +326,8 @@ def test_slurm_job_survives_a_trainer_rank_and_then_its_head_killed(tmp_path, sl
     output, killed = _launch_and_kill_the_head(args, tmp_path, heads, env=slurm)
     trainer.check()
     assert any("launch.node worker" in c and "--pool train" in c for c in trainer.parents), trainer.parents
-    recovered = re.search(r"actor rank \d died \(ActorDiedError\) at step 2; recovered in ([\d.]+) s from step 0 \(the start\)",
+    recovered = re.search(r"actor rank \d died \(ActorDiedError\) at step 2; recovered in ([\d.]+) s from step 0 "
+                          r"\(the start\)",
                           output)
     assert recovered, output[-3000:]
     handle = re.search(r"app handle: (slurm://\S+)", output).group(1)
