@@ -32,8 +32,8 @@ SPEC = ROOT / "benchmarks" / "rl_step.yaml"
 TRL_PYTHON = ROOT / "benchmarks" / ".trl-venv" / "bin" / "python"
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every process below it (Ray's workers included: they
+def _tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and every process below it (Ray's workers included: they
     are children of the raylet, which the driver starts)."""
     parent, rss = {}, {}
     for entry in Path("/proc").iterdir():
@@ -44,7 +44,7 @@ def _tree_rss(pid: int) -> int:
                 parent[pid], rss[pid] = int(fields[1]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
             except (OSError, IndexError, ValueError):
                 continue
-    total, frontier = rss.get(pid, 0), {pid}
+    total, frontier = rss.get(root, 0), {root}
     while frontier:
         frontier = {p for p, pp in parent.items() if pp in frontier}
         total += sum(rss[p] for p in frontier)

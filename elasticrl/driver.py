@@ -37,10 +37,29 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
     fresh = not output.is_dir() or not any(output.iterdir())
     if job.ray.address == "local":
         localhost_only()
+        job = cpu_layout(spec_path, list(overrides), job)
     code = _run(job, output)
     if code and fresh:
         _remove_what_a_failed_run_began(output)
     return code
+
+
+def cpu_layout(spec_path, overrides: list[str], job):
+    """On a machine without GPUs, ``job`` with the layout fields its spec leaves open set for
+    this machine's cores (``plan.cpu``); printed in one line."""
+    from elasticrl import backend
+    from elasticrl.plan.cpu import available_gb, machine_cores, overrides as as_sets, plan_cpu
+    from elasticrl.spec import explicit_fields, load_spec, read_raw
+
+    if backend.has_gpu():
+        return job
+    cores = min(machine_cores(), job.ray.num_cpus or machine_cores())
+    settings = plan_cpu(job, cores, available_gb(), explicit_fields(read_raw(spec_path, overrides)))
+    if not settings:
+        return job
+    print(f"layout for {cores} CPU cores: " + " ".join(as_sets(settings)) + " (set them in the spec to choose)",
+          file=sys.stderr, flush=True)
+    return load_spec(spec_path, overrides + as_sets(settings))
 
 
 def _run(job, output: Path) -> int:

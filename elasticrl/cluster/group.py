@@ -156,11 +156,12 @@ class RoleGroup:
                                                          **pool_resource(pool)}
         self.actors = [start(i) for i in range(num_ranks)]
 
-    def setup(self, *args, **kwargs) -> list:
-        """Form the role's process group: each rank's ``setup(rank, world, addr, port, ...)``."""
+    def setup(self, *args, wait: bool = True, **kwargs):
+        """Form the role's process group: each rank's ``setup(rank, world, addr, port, ...)``.
+        ``wait=False`` returns at once a function that waits for it (roles set up side by side)."""
         addr, port = self._get([self.actors[0].__ray_call__.remote(_free_address)])[0]
-        return self._get([a.setup.remote(rank, self.num_ranks, addr, port, *args, **kwargs)
-                          for rank, a in enumerate(self.actors)])
+        refs = [a.setup.remote(rank, self.num_ranks, addr, port, *args, **kwargs) for rank, a in enumerate(self.actors)]
+        return self._get(refs) if wait else (lambda: self._get(refs))
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run ``method`` on every rank with the same arguments; results in rank order."""

@@ -32,6 +32,7 @@ class TrainRank:
         self.spec, self.train, self.rank = spec, train, rank
         if init_dist:
             init_distributed(rank, world_size, addr, port, train.comm_timeout_s)
+        backend.set_threads(train.threads)
         torch.manual_seed(spec.seed + rank)
         self.dtype = backend.resolve_dtype(spec.model.dtype)  # the worker's own hardware decides
         if self.dtype == "bf16" and not backend.fast_bf16() and rank == 0:

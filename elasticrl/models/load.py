@@ -29,6 +29,15 @@ def _zero3_context(ds_config: dict | None):
     return None
 
 
+def _attention() -> dict:
+    """The attention kernel of trained and scoring models, where the device has a faster one
+    than transformers' default (``backend.attention``)."""
+    from elasticrl import backend
+
+    name = backend.attention()
+    return {"attn_implementation": name} if name else {}
+
+
 def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None):
     """A model with a scalar head on every position (critic, reward model).
 
@@ -40,7 +49,8 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
 
     keep_alive = _zero3_context(ds_config)
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+        str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True,
+        **_attention())
     del keep_alive
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -64,6 +74,6 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
 
     keep_alive = _zero3_context(ds_config)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True)  # never a pickled checkpoint
+                                                 use_safetensors=True, **_attention())  # never a pickled checkpoint
     del keep_alive
     return model

@@ -76,7 +76,9 @@ class DataSpec:
 
 @dataclass
 class TrainSpec:
-    num_ranks: int = doc("Data-parallel training ranks (Ray actors, one per GPU on GPUs).", 2, min=1)
+    num_ranks: int = doc("Data-parallel training ranks (Ray actors, one per GPU on GPUs). On a machine without "
+                         "GPUs `elasticrl run` makes it 1 when the spec does not set it (one rank with every "
+                         "core).", 2, min=1)
     micro_batch_size: int = doc("Examples per rank per forward/backward.", 16, min=1)
     global_batch_size: int = doc(
         "Examples per optimizer step over all ranks; must be a multiple of "
@@ -94,6 +96,9 @@ class TrainSpec:
     offload_optimizer: bool = doc("Keep optimizer states in CPU memory (ZeRO 1-3).", False)
     offload_params: bool = doc("Keep parameters in CPU memory (ZeRO 3 only).", False)
     tp_size: int = doc("DeepSpeed AutoTP tensor-parallel size (divides num_ranks).", 1, min=1)
+    threads: int = doc("CPU threads of each trainer rank and of the frozen models' ranks (reference, reward). "
+                       "0: on a machine without GPUs `elasticrl run` sets it (the cores over the ranks; see "
+                       "`plan/cpu.py`), elsewhere one per rank as Ray gives.", 0, min=0)
     comm_timeout_s: int = doc("Seconds a collective may wait before the run fails.", 600, min=1)
 
 
@@ -102,9 +107,12 @@ class RolloutSpec:
     backend: Literal["auto", "vllm", "hf"] = doc(
         "Rollout engine: vLLM; 'hf' is the transformers generate fallback for machines without "
         "vLLM ('auto' falls back to it only when vLLM is missing, with a warning).", "auto")
-    num_engines: int = doc("vLLM engines generating in parallel (each a Ray actor).", 1, min=1)
+    num_engines: int = doc("vLLM engines generating in parallel (each a Ray actor); on a machine without GPUs "
+                           "`elasticrl run` sets it when the spec does not (one per core, as memory allows).", 1,
+                           min=1)
     tp_size: int = doc("Tensor-parallel size of each engine (GPUs, or CPU processes, per engine).", 1, min=1)
-    cpus_per_engine: int = doc("CPU threads per engine on CPU machines.", 1, min=1)
+    cpus_per_engine: int = doc("CPU threads per engine on CPU machines (`elasticrl run` sets it with the engine "
+                               "count: the cores over the engines).", 1, min=1)
     max_model_len: int = doc("Longest prompt + completion an engine accepts, in tokens.", 512, min=8)
     kv_cache_gib: float = doc("KV-cache size of a CPU engine, GiB (vLLM would otherwise take most "
                               "free memory).", 1.0, min=0, exclusive_min=True)

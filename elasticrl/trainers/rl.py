@@ -96,16 +96,18 @@ class Roles:
         self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
                                 spec.model.trust_remote_code, where=p.options("rollout"), wait=False)
         self.groups.append(self.pool.group)
-        self.form_trained(resume_dir)
-        self.reference = None
+        # the frozen roles load while the trained ones are built
+        self.reference, self.rewards, frozen = None, [], []
         if "reference" in p.roles:
             self.reference = self._add(p.group("reference", FrozenWorker, d, paths["model"], "reference", idle))
-            self.reference.setup()
-        self.rewards = []
+            frozen.append(self.reference.setup(wait=False))
         for i, m in enumerate(spec.rewards.models):
             g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
-            g.setup()
+            frozen.append(g.setup(wait=False))
             self.rewards.append((g, m.weight))
+        self.form_trained(resume_dir)
+        for wait in frozen:
+            wait()
         t_models = time.time()
         self.pool.ready()
         self.startup = {"models_s": round(t_models - t0, 1), "roles_s": round(time.time() - t0, 1)}
@@ -148,6 +150,10 @@ class Roles:
                     raise
                 print(f"{exc}; re-forming {role} on {fewer} rank(s)", file=sys.stderr, flush=True)
                 ranks = fewer
+
+    def threads(self) -> dict[str, int]:
+        """Role -> CPU threads its rank 0 computes with (``train.threads``)."""
+        return {g.role: g.call_rank(0, "threads") for g in self.groups if g is not self.pool.group}
 
     def layout(self) -> dict[str, str]:
         """Role -> id of the placement group it runs on (colocated roles share one)."""
@@ -244,8 +250,10 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         roles = Roles(spec, paths, total_updates, resume_dir)
         summary["placement"] = roles.layout()
         summary["startup"] = roles.startup
+        summary["threads"] = threads = roles.threads()
         print(f"start-up: every role up in {roles.startup['roles_s']} s (trained and frozen models "
-              f"{roles.startup['models_s']} s, the engines starting meanwhile)", file=sys.stderr, flush=True)
+              f"{roles.startup['models_s']} s, the engines starting meanwhile); CPU threads per rank: "
+              + ", ".join(f"{r} {n}" for r, n in threads.items()), file=sys.stderr, flush=True)
         try:
             tok = load_tokenizer(paths["model"], spec.model.trust_remote_code)
             evals_used = evals[: spec.eval.num_prompts or None]

@@ -72,6 +72,7 @@ class _TrainedRole:
         out = [fn(mb).cpu() for mb in self._micro(batch, torch.arange(n))]
         return self.core.my_rows(n), (torch.cat(out) if out else None)
 
+    def threads(self): return torch.get_num_threads()
     def save(self, folder): self.core.save(folder)
     def snapshot(self): return self.core.snapshot()
     def export(self, folder): self.core.export(folder)
@@ -216,6 +217,7 @@ class FrozenWorker:
     def setup(self, rank, world_size, addr, port, *_):
         self.rank, self.world_size = rank, world_size
         s = self.spec
+        backend.set_threads(s.train.threads)
         self.sharded = s.train.zero_stage == 3 and world_size > 1
         dtype = backend.resolve_dtype(s.model.dtype)
         load = load_value_model if self.kind == "reward" else load_causal_lm
@@ -238,6 +240,9 @@ class FrozenWorker:
             self.model.requires_grad_(False)
             self._place(backend.current_device() if not self.offload_idle else torch.device("cpu"))
         return {}
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
 
     def _place(self, device) -> None:
         self.model.to(device)

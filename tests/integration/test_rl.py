@@ -72,8 +72,11 @@ PPO = ["init.rm_steps=30", "rl.num_steps=3", "rl.freeze_actor_steps=1", "eval.ev
 # Colocated pairs; the separate layout (a placement group per role) is what every other RL
 # test uses, and the full tiny_ppo.yaml ran both ways with identical metrics (README).
 def test_ppo_runs_with_four_model_roles_colocated_in_pairs(ray_cluster, tmp_path):
-    spec = load_spec(EXAMPLES / "tiny_ppo.yaml", BASE + PPO + ["placement.colocate=actor_ref+critic_reward"])
+    spec = load_spec(EXAMPLES / "tiny_ppo.yaml", BASE + PPO + ["placement.colocate=actor_ref+critic_reward",
+                                                                "train.threads=2"])
     summary = run_rl(spec, tmp_path / "run")
+    # train.threads reaches every trained and frozen rank (Ray alone would give each 1)
+    assert summary["threads"] == {"actor": 2, "reference": 2, "critic": 2, "reward0": 2}, summary["threads"]
     where = summary["placement"]
     assert {"actor", "reference", "critic", "reward0", "rollout"} <= set(where)
     assert where["actor"] == where["reference"] and where["critic"] == where["reward0"]
