@@ -35,10 +35,11 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
         error(problem)
         return 2
     fresh = not output.is_dir() or not any(output.iterdir())
+    layout: dict = {}
     if job.ray.address == "local":
         localhost_only()
-        job = cpu_layout(spec_path, list(overrides), job)
-    code = _run(job, output)
+        job, layout = cpu_layout(spec_path, list(overrides), job)
+    code = _run(job, output, {"layout": layout} if layout else {})
     if code and fresh:
         _remove_what_a_failed_run_began(output)
     return code
@@ -46,23 +47,22 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
 
 def cpu_layout(spec_path, overrides: list[str], job):
     """On a machine without GPUs, ``job`` with the layout fields its spec leaves open set for
-    this machine's cores (``plan.cpu``); printed in one line."""
+    this machine's cores (``plan.cpu``), and those fields' values (in the run's summary). Not
+    in a job ``elasticrl launch`` started: its head runs the job in a Ray it already joined."""
     from elasticrl import backend
     from elasticrl.plan.cpu import available_gb, machine_cores, overrides as as_sets, plan_cpu
     from elasticrl.spec import explicit_fields, load_spec, read_raw
 
-    if backend.has_gpu():
-        return job
+    launched = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # its pools were sized for the spec
+    if backend.has_gpu() or launched:
+        return job, {}
     cores = min(machine_cores(), job.ray.num_cpus or machine_cores())
     settings = plan_cpu(job, cores, available_gb(), explicit_fields(read_raw(spec_path, overrides)))
-    if not settings:
-        return job
-    print(f"layout for {cores} CPU cores: " + " ".join(as_sets(settings)) + " (set them in the spec to choose)",
-          file=sys.stderr, flush=True)
-    return load_spec(spec_path, overrides + as_sets(settings))
+    return (load_spec(spec_path, overrides + as_sets(settings)) if settings else job), settings
 
 
-def _run(job, output: Path) -> int:
+def _run(job, output: Path, extra: dict) -> int:
+    """``extra``: what the summary printed at the end adds (the CPU layout chosen)."""
     from elasticrl.cluster import RoleError
     from elasticrl.cluster.session import Terminated
     from elasticrl.files import disk_problem
@@ -93,7 +93,7 @@ def _run(job, output: Path) -> int:
             first = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
         error(f"{first} (full trace: {_trace(exc, output)})")
         return 1
-    print(json.dumps({"output": str(output), **summary}, default=str), flush=True)
+    print(json.dumps({"output": str(output), **extra, **summary}, default=str), flush=True)
     plot_run(output)
     print(f"curves: {output / 'plots'}/  (metrics: {output / 'metrics.jsonl'})", flush=True)
     return 0

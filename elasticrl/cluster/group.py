@@ -163,9 +163,11 @@ class RoleGroup:
         refs = [a.setup.remote(rank, self.num_ranks, addr, port, *args, **kwargs) for rank, a in enumerate(self.actors)]
         return self._get(refs) if wait else (lambda: self._get(refs))
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        """Run ``method`` on every rank with the same arguments; results in rank order."""
-        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method=method)
+    def call(self, method: str, *args, wait: bool = True, **kwargs):
+        """Run ``method`` on every rank with the same arguments; results in rank order.
+        ``wait=False`` returns at once a function that waits for them (roles working side by side)."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return self._get(refs, method=method) if wait else (lambda: self._get(refs, method=method))
 
     def call_rank(self, rank: int, method: str, *args, **kwargs) -> Any:
         return self._get([getattr(self.actors[rank], method).remote(*args, **kwargs)], ranks=[rank],

@@ -392,25 +392,29 @@ def _submit(run: Run, step: int) -> None:
 
 def experience(run: Run, s: Step) -> None:
     """Rewards, then the batch the trainers learn from: the policy's and the reference's
-    log-probs, the critic's values and the advantages."""
+    log-probs, the critic's values and the advantages. The model passes run side by side,
+    and while the rewards are scored (dynamic sampling first picks the rows they see)."""
     with _timed(s, "experience"):
-        rewards = _score(run, s)
+        p_ids = [run.prompt_ids[s.indices[r["prompt_index"]]] for r in s.results]
+        s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
+        batch_ref = ray.put(s.batch)
+        passes = None if run.spec.rl.dynamic_sampling else _start_model_passes(run, batch_ref)
+        rewards = _score(run, s, batch_ref)
         if run.spec.rl.dynamic_sampling:
             rewards = _keep_varying_groups(run, s, rewards)
         if s.batch is not None:
             rewards = _shape_rewards(run, rewards)
-            _advantages(run, s, rewards, _model_passes(run, s, rewards))
+            passes = passes or _start_model_passes(run, ray.put(s.batch))
+            _advantages(run, s, rewards, _model_passes(run, s, rewards, passes))
 
 
-def _score(run: Run, s: Step) -> torch.Tensor:
-    """The batch of prompt + completion tokens and its rewards; reward and accuracy figures."""
+def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
+    """The rewards of the batch ``s.batch`` (``batch_ref``: it in Ray's store); reward and
+    accuracy figures."""
     spec, rl = run.spec, run.spec.rl
     pk, ak = spec.data.prompt_key, spec.data.answer_key
     texts = [r["text"] for r in s.results]
     recs = [run.prompts[s.indices[r["prompt_index"]]] for r in s.results]
-    p_ids = [run.prompt_ids[s.indices[r["prompt_index"]]] for r in s.results]
-    s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
-    batch_ref = ray.put(s.batch)
     models = [(lambda g=g: gather_rows(g.call("score", batch_ref), "values"), w) for g, w in run.roles.rewards]
     scores = run.rewards([r[pk] for r in recs], texts, [r.get(ak) for r in recs], models, where=f"step {s.step + 1}")
     raw = _drop(run, s, scores)
@@ -466,25 +470,33 @@ def _shape_rewards(run: Run, rewards: torch.Tensor) -> torch.Tensor:
     return rewards.clamp(-rl.reward_clip, rl.reward_clip) if rl.reward_clip else rewards
 
 
-def _model_passes(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tensor:
-    """The policy's log-probs, the reference's (and the KL), the critic's values; returns the
-    per-token rewards (the outcome on the last token, minus the KL penalty in reward mode)."""
-    rl, roles, batch = run.spec.rl, run.roles, s.batch
-    ref = ray.put(batch)
-    mask = batch["response_mask"]
-    reuse = reuses_update_logprobs(run.spec)
-    if not reuse:
-        old = batch["old_logprobs"] = gather_rows(roles.actor.call("logprobs", ref), "logprobs")
-    token_rewards = last_token_rewards(rewards, mask)
+def _start_model_passes(run: Run, batch_ref) -> dict:
+    """The forward passes the batch needs, started on their roles at once: key -> a function
+    that waits for its per-rank answers (the policy's log-probs, the reference's, the
+    critic's values). Roles on their own devices compute side by side."""
+    roles, out = run.roles, {}
+    if not reuses_update_logprobs(run.spec):
+        out["old_logprobs"] = (roles.actor.call("logprobs", batch_ref, wait=False), "logprobs")
     if roles.reference is not None:
-        ref_lp = batch["ref_logprobs"] = gather_rows(roles.reference.call("score", ref), "values")
-        if not reuse:  # else the update reports it
-            kl = KL_ESTIMATORS[rl.kl_estimator](old, ref_lp) * mask
-            s.info["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
-            if rl.kl_mode == "reward":
-                token_rewards = token_rewards - rl.kl_coef * kl
+        out["ref_logprobs"] = (roles.reference.call("score", batch_ref, wait=False), "values")
     if roles.critic is not None:
-        batch["old_values"] = gather_rows(roles.critic.call("values", ref), "values")
+        out["old_values"] = (roles.critic.call("values", batch_ref, wait=False), "values")
+    return out
+
+
+def _model_passes(run: Run, s: Step, rewards: torch.Tensor, passes: dict) -> torch.Tensor:
+    """The passes' answers into the batch, and the KL; returns the per-token rewards (the
+    outcome on the last token, minus the KL penalty in reward mode)."""
+    rl, batch = run.spec.rl, s.batch
+    for key, (wait, field_name) in passes.items():
+        batch[key] = gather_rows(wait(), field_name)
+    mask = batch["response_mask"]
+    token_rewards = last_token_rewards(rewards, mask)
+    if "ref_logprobs" in batch and "old_logprobs" in batch:  # else the update reports the KL
+        kl = KL_ESTIMATORS[rl.kl_estimator](batch["old_logprobs"], batch["ref_logprobs"]) * mask
+        s.info["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+        if rl.kl_mode == "reward":
+            token_rewards = token_rewards - rl.kl_coef * kl
     return token_rewards
 
 

@@ -42,14 +42,13 @@ def test_a_job_without_rollouts_only_gets_its_trainer_layout():
     assert _plan(EXAMPLES / "tiny_sft.yaml", ["train.num_ranks=1"], cores=4) == {"train.threads": 4}
 
 
-def test_run_applies_the_layout_and_says_so(capsys, monkeypatch):
+def test_run_applies_the_layout(monkeypatch):
     monkeypatch.setattr("elasticrl.plan.cpu.machine_cores", lambda: 2)
     monkeypatch.setattr("elasticrl.plan.cpu.available_gb", lambda: 20.0)
-    job = cpu_layout(BENCH, ["rl.num_steps=2"], load_spec(BENCH, ["rl.num_steps=2"]))
+    job, layout = cpu_layout(BENCH, ["rl.num_steps=2"], load_spec(BENCH, ["rl.num_steps=2"]))
     r = job.rollout
     assert (job.train.num_ranks, job.train.threads, r.num_engines, r.cpus_per_engine, job.rl.num_steps) == (1, 2, 2, 1, 2)
-    assert capsys.readouterr().err == ("layout for 2 CPU cores: train.num_ranks=1 train.threads=2 rollout.num_engines=2 "
-                                       "(set them in the spec to choose)\n")
+    assert layout == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2}
     # ray.num_cpus caps the cores the layout counts
-    job = cpu_layout(BENCH, ["ray.num_cpus=1"], load_spec(BENCH, ["ray.num_cpus=1"]))
+    job, _ = cpu_layout(BENCH, ["ray.num_cpus=1"], load_spec(BENCH, ["ray.num_cpus=1"]))
     assert (job.train.threads, job.rollout.num_engines) == (1, 1)
