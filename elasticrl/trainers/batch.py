@@ -30,6 +30,22 @@ def rows(batch: dict, index) -> dict:
     return {k: v[index] for k, v in batch.items()}
 
 
+def trimmed(mb: dict) -> dict:
+    """Rows of a batch cut to their longest sequence: the padding columns they all have at the
+    right end go, from ``[B, L]`` tensors and from the shifted ``[B, L-1]`` ones alike, so a
+    micro-batch of short sequences computes no padding of the batch's longest."""
+    full = mb["input_ids"].shape[1]
+    width = int(mb["attention_mask"].sum(1).max())
+    if width == full:
+        return mb
+    return {k: v[:, :width] if v.shape[1] == full else v[:, :width - 1] for k, v in mb.items()}
+
+
+def widened(values_bt: torch.Tensor, width: int) -> torch.Tensor:
+    """A trimmed micro-batch's per-token results back at the batch's width (zeros right)."""
+    return torch.nn.functional.pad(values_bt, (0, width - values_bt.shape[1]))
+
+
 def rows_reply(share: slice, key: str, values: torch.Tensor | None, leader: bool) -> dict:
     """A rank's answer for its rows ``share`` of a batch (``gather_rows`` reassembles them);
     ``leader``: false on tensor-parallel peers, whose rows the leader already sent."""

@@ -21,7 +21,7 @@ from elasticrl.engine.rank import TrainRank
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.spec import load_spec
-from elasticrl.trainers.batch import rows, rows_reply
+from elasticrl.trainers.batch import rows, rows_reply, trimmed, widened
 
 
 def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
@@ -63,13 +63,14 @@ class _TrainedRole:
     def _micro(self, batch: dict, index: torch.Tensor):
         """This rank's share of a mini-batch, in micro-batches, on the device."""
         for part in self.core.split(index):
-            yield {k: v.to(self.core.device) for k, v in rows(batch, part).items()}
+            yield {k: v.to(self.core.device) for k, v in trimmed(rows(batch, part)).items()}
 
     def _forward_all(self, batch: dict, fn) -> tuple[slice, torch.Tensor | None]:
-        """``fn(micro-batch)`` over this rank's rows of the whole batch, concatenated."""
+        """``fn(micro-batch)`` over this rank's rows of the whole batch, concatenated (at the
+        batch's width: each micro-batch is trimmed to its own)."""
         self.core.engine.eval()
-        n = batch["input_ids"].shape[0]
-        out = [fn(mb).cpu() for mb in self._micro(batch, torch.arange(n))]
+        n, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
+        out = [widened(fn(mb).cpu(), width) for mb in self._micro(batch, torch.arange(n))]
         return self.core.my_rows(n), (torch.cat(out) if out else None)
 
     def threads(self): return torch.get_num_threads()
@@ -136,7 +137,8 @@ class ActorWorker(_TrainedRole):
                     pstats["kl_loss"] = kl.item()
                 if "old_logprobs" not in mb and "ref_logprobs" in mb:  # the experience phase had none
                     pstats["kl"] = aggregate(kl_fn(old, mb["ref_logprobs"]), mask, "token_mean").item()
-                entropy_bt = entropy_from_logits(_tempered(logits[:, :-1], rl.temperature))
+                with torch.set_grad_enabled(rl.entropy_coef > 0):  # else only reported: no graph kept for it
+                    entropy_bt = entropy_from_logits(_tempered(logits[:, :-1], rl.temperature))
                 if rl.entropy_coef > 0:
                     total = total - rl.entropy_coef * aggregate(entropy_bt, mask, rl.loss_aggregation, **denom)
                 ent = aggregate(entropy_bt.detach(), mask, "token_mean")  # reported as a plain token mean
@@ -265,14 +267,15 @@ class FrozenWorker:
         steps = -(-per // mbs) if self.sharded else -(-len(index) // mbs)
         for m in range(steps):
             part = index[m * mbs:(m + 1) * mbs]
-            mb = {k: v.to(device) for k, v in rows(batch, part if len(part) else torch.arange(1)).items()}
+            mb = {k: v.to(device) for k, v in trimmed(rows(batch, part if len(part) else torch.arange(1))).items()}
             if self.kind == "reward":
                 values = token_values(self.model, mb["input_ids"], mb["attention_mask"])
                 last = mb["attention_mask"].sum(1) - 1
                 result = values[torch.arange(len(last)), last].cpu()
             else:
                 logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                result = token_logprobs(logits, mb["labels"], s.rl.temperature).cpu()
+                result = widened(token_logprobs(logits, mb["labels"], s.rl.temperature).cpu(),
+                                 batch["input_ids"].shape[1] - 1)
             if len(part):
                 out.append(result)
         if self.offload_idle:

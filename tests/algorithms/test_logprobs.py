@@ -32,3 +32,24 @@ def test_token_logprobs_at_a_temperature():
     # T = 1 is the plain log-softmax: [1, 2, 4] / 7
     torch.testing.assert_close(token_logprobs(logits, labels), torch.tensor([[math.log(4 / 7), math.log(1 / 7)]]),
                                atol=1e-6, rtol=0)
+
+
+def test_token_logprobs_block_by_block_equal_the_log_softmax(monkeypatch):
+    from elasticrl.algorithms import logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g, requires_grad=True)
+    labels = torch.randint(0, 7, (3, 5), generator=g)
+    labels[0, 2] = -100
+    whole = token_logprobs(logits, labels, temperature=0.7)
+    # an independent formula: the log-softmax of the tempered logits at the labels
+    ref = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ref = ref.masked_fill(labels[:, 1:] == -100, 0.0)
+    torch.testing.assert_close(whole, ref, atol=1e-6, rtol=0)
+    monkeypatch.setattr(logprobs, "BLOCK", 4 * 7)  # one row (4 positions x 7 logits) per block: 3 blocks
+    blocked = token_logprobs(logits, labels, temperature=0.7)
+    torch.testing.assert_close(blocked, ref, atol=1e-6, rtol=0)
+    # gradients flow through the blocks as through the whole
+    (g_blocked,) = torch.autograd.grad(blocked.sum(), logits)
+    (g_ref,) = torch.autograd.grad(ref.sum(), logits)
+    torch.testing.assert_close(g_blocked, g_ref, atol=1e-6, rtol=0)
