@@ -50,7 +50,8 @@ def cpu_layout(spec_path, overrides: list[str], job):
     this machine's cores (``plan.cpu``), and those fields' values (in the run's summary). Not
     in a job ``elasticrl launch`` started: its head runs the job in a Ray it already joined."""
     from elasticrl import backend
-    from elasticrl.plan.cpu import available_gb, machine_cores, overrides as as_sets, plan_cpu
+    from elasticrl.plan.cpu import available_gb, machine_cores, plan_cpu
+    from elasticrl.plan.planner import as_overrides
     from elasticrl.spec import explicit_fields, load_spec, read_raw
 
     launched = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # its pools were sized for the spec
@@ -58,7 +59,7 @@ def cpu_layout(spec_path, overrides: list[str], job):
         return job, {}
     cores = min(machine_cores(), job.ray.num_cpus or machine_cores())
     settings = plan_cpu(job, cores, available_gb(), explicit_fields(read_raw(spec_path, overrides)))
-    return (load_spec(spec_path, overrides + as_sets(settings)) if settings else job), settings
+    return (load_spec(spec_path, overrides + as_overrides(settings)) if settings else job), settings
 
 
 def _run(job, output: Path, extra: dict) -> int:

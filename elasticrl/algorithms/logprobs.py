@@ -26,8 +26,7 @@ def token_logprobs(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperatur
         if temperature != 1.0:
             z_btv = z_btv / temperature
         parts.append(z_btv.gather(-1, safe[start:start + rows]).squeeze(-1) - torch.logsumexp(z_btv, -1))
-    logp = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return logp.masked_fill(targets == IGNORE, 0.0)
+    return torch.cat(parts).masked_fill(targets == IGNORE, 0.0)
 
 
 def response_mask(labels_bt: torch.Tensor) -> torch.Tensor:

@@ -161,12 +161,15 @@ class RoleGroup:
         ``wait=False`` returns at once a function that waits for it (roles set up side by side)."""
         addr, port = self._get([self.actors[0].__ray_call__.remote(_free_address)])[0]
         refs = [a.setup.remote(rank, self.num_ranks, addr, port, *args, **kwargs) for rank, a in enumerate(self.actors)]
-        return self._get(refs) if wait else (lambda: self._get(refs))
+        return self._answers(refs, None, wait)
 
     def call(self, method: str, *args, wait: bool = True, **kwargs):
         """Run ``method`` on every rank with the same arguments; results in rank order.
         ``wait=False`` returns at once a function that waits for them (roles working side by side)."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return self._answers([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method, wait)
+
+    def _answers(self, refs: list, method: str | None, wait: bool):
+        """The ranks' answers to ``refs``, or (``wait=False``) a function that waits for them."""
         return self._get(refs, method=method) if wait else (lambda: self._get(refs, method=method))
 
     def call_rank(self, rank: int, method: str, *args, **kwargs) -> Any:

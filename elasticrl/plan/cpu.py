@@ -11,7 +11,8 @@ benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 
 alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step).
 
 Fields the user set (in the spec or with ``--set``) are kept. The choices come back as
-``--set`` overrides, as the GPU planner's do, so the resolved spec.yaml holds them.
+field values, which ``planner.as_overrides`` turns into ``--set`` overrides as the GPU
+planner's are, so the resolved spec.yaml holds them.
 """
 from __future__ import annotations
 
@@ -67,6 +68,3 @@ def _current(spec: JobSpec, path: str):
     section, name = path.split(".")
     return getattr(getattr(spec, section), name)
 
-
-def overrides(settings: dict) -> list[str]:
-    return [f"{k}={v}" for k, v in settings.items()]

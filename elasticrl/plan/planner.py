@@ -76,7 +76,12 @@ class Plan:
     pinned: list = field(default_factory=list)
 
     def overrides(self) -> list[str]:
-        return [f"{k}={_yaml(v)}" for k, v in self.settings.items() if k not in self.pinned]
+        return as_overrides({k: v for k, v in self.settings.items() if k not in self.pinned})
+
+
+def as_overrides(settings: dict) -> list[str]:
+    """Planned field values as ``--set`` overrides (a plan is a spec)."""
+    return [f"{k}={_yaml(v)}" for k, v in settings.items()]
 
 
 def _yaml(v) -> str:

@@ -404,7 +404,8 @@ def experience(run: Run, s: Step) -> None:
             rewards = _keep_varying_groups(run, s, rewards)
         if s.batch is not None:
             rewards = _shape_rewards(run, rewards)
-            passes = passes or _start_model_passes(run, ray.put(s.batch))
+            if passes is None:  # dynamic sampling: the passes see the rows kept
+                passes = _start_model_passes(run, ray.put(s.batch))
             _advantages(run, s, rewards, _model_passes(run, s, rewards, passes))
 
 
