@@ -46,8 +46,8 @@ def test_run_applies_the_layout(monkeypatch):
     monkeypatch.setattr("elasticrl.plan.cpu.machine_cores", lambda: 2)
     monkeypatch.setattr("elasticrl.plan.cpu.available_gb", lambda: 20.0)
     job, layout = cpu_layout(BENCH, ["rl.num_steps=2"], load_spec(BENCH, ["rl.num_steps=2"]))
-    r = job.rollout
-    assert (job.train.num_ranks, job.train.threads, r.num_engines, r.cpus_per_engine, job.rl.num_steps) == (1, 2, 2, 1, 2)
+    t, r = job.train, job.rollout
+    assert (t.num_ranks, t.threads, r.num_engines, r.cpus_per_engine, job.rl.num_steps) == (1, 2, 2, 1, 2)
     assert layout == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2}
     # ray.num_cpus caps the cores the layout counts
     job, _ = cpu_layout(BENCH, ["ray.num_cpus=1"], load_spec(BENCH, ["ray.num_cpus=1"]))
