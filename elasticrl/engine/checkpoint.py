@@ -33,10 +33,10 @@ SAFE_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt")
 MAY_CHANGE = ("train.max_steps", "train.num_epochs", "rl.num_steps", "rounds.num_rounds", "eval.", "log.",
               "checkpoint.", "export.", "ray.", "placement.", "train.num_ranks", "train.threads",
               "train.micro_batch_size", "train.tp_size", "train.zero_stage", "train.offload_optimizer",
-              "train.offload_params", "train.comm_timeout_s", "critic.num_ranks", "model.gradient_checkpointing", "rollout.num_engines",
-              "rollout.tp_size", "rollout.cpus_per_engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization",
-              "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep", "rollout.max_restarts",
-              "rollout.hang_factor", "fault.")
+              "train.offload_params", "train.comm_timeout_s", "critic.num_ranks", "model.gradient_checkpointing",
+              "rollout.num_engines", "rollout.tp_size", "rollout.cpus_per_engine", "rollout.kv_cache_gib",
+              "rollout.gpu_memory_utilization", "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep",
+              "rollout.max_restarts", "rollout.hang_factor", "fault.")
 
 
 def _check_roles(folder: Path) -> None:
