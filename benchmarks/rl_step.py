@@ -136,7 +136,7 @@ def main() -> None:
         sys.exit("TRL's environment is missing: bash benchmarks/trl_env.sh")
     import torch
 
-    from elasticrl.data.records import format_prompt, read_jsonl
+    from elasticrl.data.records import format_prompt, read_records
     from elasticrl.models import load_tokenizer
     from elasticrl.spec import load_spec
     from elasticrl.world import world_paths
@@ -145,7 +145,7 @@ def main() -> None:
     paths = world_paths(spec.world)  # builds the 44M world once
     model_dir = paths["model"]
     tok = load_tokenizer(str(model_dir))
-    records = read_jsonl(str(paths["rl_prompts"]), ("prompt", "answer"))
+    records = read_records(str(paths["rl_prompts"]), ("prompt", "answer"))
     n = spec.rl.prompts_per_step * args.steps
     prompts = Path(tempfile.mkdtemp(prefix="rl-step-")) / "prompts.jsonl"
     texts = [format_prompt(tok, r["prompt"], spec.data.apply_chat_template) for r in records[:n]]

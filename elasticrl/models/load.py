@@ -12,10 +12,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The model folder's tokenizer; ``chat_template`` (``data.chat_template``: a Jinja template
+    or the path of a file holding one) replaces its own."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if chat_template:
+        is_file = "{" not in chat_template and Path(chat_template).is_file()
+        tok.chat_template = Path(chat_template).read_text() if is_file else chat_template
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

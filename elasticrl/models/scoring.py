@@ -13,14 +13,14 @@ from elasticrl.algorithms.logprobs import IGNORE, token_logprobs
 from elasticrl.data.records import pad_batch
 
 
-def response_logps(model, examples: list[tuple[list[int], int]], pad_id: int, packed: bool = False,
+def response_logps(model, examples: list[tuple[list[int], list[bool]]], pad_id: int, packed: bool = False,
                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each (token ids, prompt length): the sum of log p over its response tokens, and
-    how many response tokens there are. Gradients flow unless the caller disables them."""
+    """For each (token ids, which are response tokens): the sum of log p over its response
+    tokens, and how many there are. Gradients flow unless the caller disables them."""
     if packed:
         return _packed(model, examples, device)
-    seqs, plens = [e[0] for e in examples], [e[1] for e in examples]
-    b = {k: v.to(device) for k, v in pad_batch(seqs, pad_id, plens).items()}
+    seqs, trained = [e[0] for e in examples], [e[1] for e in examples]
+    b = {k: v.to(device) for k, v in pad_batch(seqs, pad_id, trained).items()}
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     lp = token_logprobs(logits, b["labels"])
     scored = (b["labels"][:, 1:] != IGNORE).float()
@@ -29,12 +29,12 @@ def response_logps(model, examples: list[tuple[list[int], int]], pad_id: int, pa
 
 def _packed(model, examples, device):
     ids, pos, labels, owner = [], [], [], []
-    for i, (seq, plen) in enumerate(examples):
+    for i, (seq, trained) in enumerate(examples):
         ids += seq
         pos += range(len(seq))
-        # the prompt (and so each sequence's first token) is never scored: nothing is
-        # predicted across a boundary between two sequences
-        labels += [IGNORE] * plen + seq[plen:]
+        # each sequence's first token is never scored: nothing is predicted across a boundary
+        # between two sequences
+        labels += [IGNORE] + [t if keep else IGNORE for t, keep in zip(seq[1:], trained[1:])]
         owner += [i] * len(seq)
     to = dict(dtype=torch.long, device=device)
     ids_t, labels_t = torch.tensor([ids], **to), torch.tensor([labels], **to)

@@ -1,11 +1,10 @@
 """Reward functions: ``fn(prompt: str, completion: str, answer: str | None) -> float``,
-named in the spec by import path (``package.module:function``)."""
+named in the spec by import path (``package.module:function``); the verifiers
+(``rewards.verifiers``) are such functions too."""
 from __future__ import annotations
 
 import importlib
 from typing import Callable
-
-from elasticrl.world.task import is_correct
 
 RewardFn = Callable[[str, str, "str | None"], float]
 
@@ -22,7 +21,3 @@ def load_function(path: str, field: str = "rewards.functions") -> RewardFn:
         raise ValueError(f"{field}: {path!r} is not callable")
     return fn
 
-
-def exact_answer(prompt: str, completion: str, answer: str | None) -> float:
-    """The tiny task's verifiable reward: 1 when the first number (or the text) is the answer."""
-    return float(answer is not None and is_correct(completion, answer))

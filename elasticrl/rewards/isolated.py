@@ -86,3 +86,41 @@ class FunctionProcess:
             self.proc.stdin.close()
             self.proc.stdout.close()
             self.proc = None
+
+
+class FunctionPool:
+    """``workers`` function processes: a batch is split among them and scored side by side, so
+    one slow function or verifier does not serialise the step."""
+
+    def __init__(self, paths: list[str], timeout_s: float, workers: int):
+        self.procs = [FunctionProcess(paths, timeout_s) for _ in range(workers)]
+
+    @property
+    def started(self) -> bool:
+        return all(p.proc is not None for p in self.procs)
+
+    def start(self) -> None:
+        try:
+            self._each(lambda p: p.start() if p.proc is None else None, self.procs)
+        except BaseException:
+            self.close()
+            raise
+
+    def __call__(self, index: int, items: list[list]) -> list[float | str]:
+        from elasticrl.data.records import row_share
+
+        n = len(self.procs)
+        parts = [items[row_share(len(items), n, k)] for k in range(n)]
+        answers = self._each(lambda pp: pp[0](index, pp[1]) if pp[1] else [], list(zip(self.procs, parts)))
+        return [v for part in answers for v in part]
+
+    @staticmethod
+    def _each(fn, things: list) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(things)) as ex:
+            return list(ex.map(fn, things))
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()

@@ -15,8 +15,9 @@ from typing import Callable
 
 import torch
 
-from elasticrl.rewards.isolated import FunctionProcess
+from elasticrl.rewards.isolated import FunctionPool
 from elasticrl.rewards.remote import RemoteReward
+from elasticrl.rewards.verifiers import function_path, verifier_path
 from elasticrl.spec import JobSpec
 
 ModelScores = Callable[[], torch.Tensor]  # one reward model's scores of the batch, in batch order
@@ -31,13 +32,19 @@ class Scores:
     total: torch.Tensor                        # the weighted sum per sample (0 where dropped)
     keep: torch.Tensor                         # False: the sample is dropped (rewards.on_error: drop_sample)
     info: dict = field(default_factory=dict)   # reward/errors, reward/errors/<source>
+    verified: list = field(default_factory=list)  # the verifier's score (or error text) per sample
 
 
 class RewardSources:
     def __init__(self, spec: JobSpec):
         r = spec.rewards
         self.policy, self.limit = r.on_error, r.max_consecutive_errors
-        self.process = FunctionProcess([f.path for f in r.functions], r.timeout_s) if r.functions else None
+        # the functions' processes also run the job's verifier, which every accuracy figure uses
+        paths = [function_path(f.path, spec) for f in r.functions]
+        self.verifier = verifier_path(spec)
+        self.verifier_index = paths.index(self.verifier) if self.verifier in paths else len(paths)
+        paths += [self.verifier] if self.verifier_index == len(paths) else []
+        self.process = FunctionPool(paths, r.timeout_s, r.workers)
         # (metric name, what the console calls it, weight)
         self.function_names = [(f.path.rpartition(":")[2], f"reward function {f.path}", f.weight) for f in r.functions]
         self.remote = [(RemoteReward(e.url, e.timeout_s, e.retries), f"remote{i}", f"reward endpoint {e.url}", e.weight)
@@ -46,12 +53,11 @@ class RewardSources:
 
     def start(self) -> None:
         """Start the functions' process: a function that does not import fails here, in one line."""
-        if self.process is not None and self.process.proc is None:
+        if not self.process.started:
             self.process.start()
 
     def close(self) -> None:
-        if self.process is not None:
-            self.process.close()
+        self.process.close()
 
     def __enter__(self) -> "RewardSources":
         self.start()
@@ -66,11 +72,11 @@ class RewardSources:
         total, keep, info = torch.zeros(n), torch.ones(n, dtype=torch.bool), {"reward/errors": 0}
         # (metric name, console name, weight, a value or an error per sample, or one error for the batch)
         outcomes: list[tuple[str, str, float, list | str]] = []
-        if self.process is not None:
-            self.start()
-            items = [list(x) for x in zip(prompts, completions, answers)]
-            for i, (short, name, w) in enumerate(self.function_names):
-                outcomes.append((short, name, w, self.process(i, items)))
+        items = [list(x) for x in zip(prompts, completions, answers)]
+        for i, (short, name, w) in enumerate(self.function_names):
+            outcomes.append((short, name, w, self.process(i, items)))
+        verified = outcomes[self.verifier_index][3] if self.verifier_index < len(outcomes) else \
+            self.verify(prompts, completions, answers)
         for endpoint, short, name, w in self.remote:
             outcomes.append((short, name, w, _batch_call(lambda: endpoint(prompts, completions, answers), n)))
         for i, (score, w) in enumerate(models):
@@ -92,7 +98,15 @@ class RewardSources:
         total[~keep] = 0.0
         if self.policy == "drop_sample":
             info["reward/dropped"] = int((~keep).sum())
-        return Scores(total, keep, info)
+        return Scores(total, keep, info, verified if isinstance(verified, list) else [verified] * n)
+
+    def verify(self, prompts: list[str], completions: list[str], answers: list) -> list[float | str]:
+        """The job's verifier on each sample: its score, or the error it ended in (a sample
+        without a reference answer scores 0 unasked)."""
+        if all(a is None for a in answers):
+            return [0.0] * len(completions)
+        self.start()
+        return self.process(self.verifier_index, [list(x) for x in zip(prompts, completions, answers)])
 
     def _count(self, name: str, calls: list, prompts: list[str], where: str, whole: bool = False) -> None:
         """Errors in a row for ``name``; raise when the policy says stop."""

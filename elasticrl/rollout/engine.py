@@ -56,7 +56,7 @@ class RolloutEngine:
                        # An engine's TP workers live on its node, as processes of this actor
                        # (inside Ray, vLLM would otherwise pick its Ray executor).
                        distributed_executor_backend="mp" if a["tp_size"] > 1 else None,
-                       **backend.rollout_kwargs(a["gpu_memory_utilization"]))
+                       **backend.rollout_kwargs(a["gpu_memory_utilization"], a["max_model_len"]))
         self.prepared = self.llm.collective_rpc("erl_prepare", args=(self.model_path, self.cpu_mode))[0]
         self.start_seconds = time.time() - t0
         self.incarnation += 1

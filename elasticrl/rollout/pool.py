@@ -12,12 +12,12 @@ import ray
 from elasticrl import backend
 from elasticrl.cluster import RoleError, RoleGroup
 from elasticrl.cluster.group import root_cause
-from elasticrl.data.records import row_share
+from elasticrl.data.records import prompt_text, row_share
+from elasticrl.rewards.verifiers import full_marks
 from elasticrl.rollout.hf_engine import HFRolloutEngine
 from elasticrl.rollout.engine import RolloutEngine
 from elasticrl.spec import JobSpec
 from elasticrl.spec.schema import RolloutSpec
-from elasticrl.world.task import is_correct
 
 log = logging.getLogger(__name__)
 
@@ -323,16 +323,24 @@ class RolloutPool:
             self.group.shutdown()
 
 
-def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals: list[dict]) -> dict:
-    """Held-out accuracy of greedy answers, and pass@k of ``rl.eval_samples`` sampled ones."""
-    ak, k = spec.data.answer_key, spec.rl.eval_samples
+def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals, verify) -> dict:
+    """Held-out accuracy of greedy answers, and pass@k of ``rl.eval_samples`` sampled ones, as
+    ``verify(prompts, completions, answers)`` (the job's verifier) scores them."""
+    k = spec.rl.eval_samples
+
+    def right(results: list[dict]) -> list[bool]:
+        recs = [evals[r["prompt_index"]] for r in results]
+        scores = verify([prompt_text(e, spec.data) for e in recs], [r["text"] for r in results],
+                        [e.get(spec.data.answer_key) for e in recs])
+        return [full_marks(v) for v in scores]
+
     greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens,
                                       **({"stop": list(spec.rl.stop)} if spec.rl.stop else {})})
-    out = {"eval/accuracy": sum(is_correct(r["text"], evals[r["prompt_index"]][ak]) for r in greedy) / len(eval_ids)}
+    out = {"eval/accuracy": sum(right(greedy)) / len(eval_ids)}
     if k > 1:
         sampled = pool.generate(eval_ids, {**sampling_params(spec, None, spec.eval.max_new_tokens), "n": k})
         hit = [False] * len(eval_ids)
-        for r in sampled:
-            hit[r["prompt_index"]] |= is_correct(r["text"], evals[r["prompt_index"]][ak])
+        for r, ok in zip(sampled, right(sampled)):
+            hit[r["prompt_index"]] |= ok
         out[f"eval/pass@{k}"] = sum(hit) / len(eval_ids)
     return out

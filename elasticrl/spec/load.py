@@ -38,6 +38,9 @@ def load_spec(source: str | os.PathLike | dict | None = None, overrides: list[st
     job for another machine)."""
     spec = _convert(JobSpec, read_raw(source, overrides), "")
     _check_cross_fields(spec, check_paths)
+    if spec.rewards.verifier == "auto":  # resolved once, so a trainer that swaps the data keeps the user's
+        verifier = "integer" if spec.data.train is None else "math"
+        spec = dataclasses.replace(spec, rewards=dataclasses.replace(spec.rewards, verifier=verifier))
     return spec
 
 
@@ -254,6 +257,12 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
         if not m.path or (check_paths and not Path(m.path).is_dir()):
             raise SpecError(f"rewards.models[{i}].path", f"{m.path!r} is not a folder; give a reward model folder "
                                                          "(train one with algorithm: rm)")
+    from elasticrl.rewards.verifiers import NAMES
+
+    v = spec.rewards.verifier
+    if v != "auto" and v not in NAMES and ":" not in v:
+        raise SpecError("rewards.verifier", f"{v!r} is neither a verifier ({', '.join(NAMES)}, auto) nor an "
+                                            "import path package.module:function")
     for i, r in enumerate(spec.rewards.remote):
         if not r.url.startswith(("http://", "https://")):
             raise SpecError(f"rewards.remote[{i}].url", f"expected an http(s) URL, got {r.url!r}")
@@ -291,9 +300,9 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
                                       "folder or null for the embedded tiny model")
     for name in ("train", "eval"):
         p = getattr(spec.data, name)
-        if p is not None and not Path(p).is_file():
-            raise SpecError(f"data.{name}", f"file {p} not found; give a JSON-lines file or null for "
-                                            "the embedded data")
+        if p is not None and not p.startswith("hf://") and not Path(p).exists():
+            raise SpecError(f"data.{name}", f"{p} not found; give a data file (JSON lines, JSON, parquet, CSV), a "
+                                            "datasets.save_to_disk folder, hf://ORG/NAME, or null for the embedded data")
 
 
 def _check_rl(spec: JobSpec) -> None:

@@ -49,10 +49,16 @@ class ModelSpec:
 @dataclass
 class DataSpec:
     train: Optional[str] = doc(
-        "JSON-lines file of training examples; null uses the embedded tiny world's data.", None)
+        "Training examples: a JSON-lines, JSON, parquet or CSV file, a datasets.save_to_disk folder, or a Hub "
+        "dataset hf://ORG/NAME[:CONFIG][/SPLIT]; null uses the embedded tiny world's data.", None)
     eval: Optional[str] = doc(
-        "JSON-lines file of held-out prompts with answers; null uses the embedded ones.", None)
-    prompt_key: str = doc("Key of the prompt in each JSON line.", "prompt")
+        "Held-out prompts with answers, in any form data.train takes; null uses the embedded ones.", None)
+    prompt_key: str = doc("Field of a row's prompt text.", "prompt")
+    messages_key: str = doc("Field of a row's chat messages ([{role, content}, ...]); a row that has it is a "
+                            "conversation: RL prompts it up to its last user turn, SFT trains on its assistant "
+                            "turns only. Either this or data.prompt_key per row.", "messages")
+    chat_template: Optional[str] = doc("A Jinja chat template (or the path of a .jinja file) used instead of the "
+                                       "tokenizer's own; needed for a model whose tokenizer has none.", None)
     shuffle: bool = doc("Draw the training records in a seeded order, a new one each epoch (false: in the "
                         "file's order, epoch after epoch).", True)
     response_key: str = doc("Key of the target response in each JSON line (SFT).", "response")
@@ -68,7 +74,8 @@ class DataSpec:
                                "label in between.", "labels")
     step_marker: str = doc("prm: the token written after every step, where the head reads the step's score; "
                            "must be one token of the model's tokenizer.", "\n")
-    apply_chat_template: bool = doc("Wrap prompts in the tokenizer's chat template.", True)
+    apply_chat_template: bool = doc("Wrap prompt strings in the tokenizer's chat template (conversations always "
+                                    "are).", True)
     max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
     packing: bool = doc("dpo, kto: lay the sequences of a micro-batch end to end (no padding); same "
                         "results as padded.", False)
@@ -236,8 +243,9 @@ class ConditionalSpec:
 
 @dataclass
 class RewardFunctionSpec:
-    path: str = doc("Import path package.module:function of fn(prompt, completion, answer) -> float.",
-                    "elasticrl.rewards.functions:exact_answer")
+    path: str = doc("Import path package.module:function of fn(prompt, completion, answer) -> float; "
+                    "'verifier' is the job's verifier (rewards.verifier), 1 for a right answer, 0 for a wrong one.",
+                    "verifier")
     weight: float = doc("Weight in the summed reward.", 1.0)
 
 
@@ -262,6 +270,12 @@ class RewardsSpec:
     models: list[RewardModelSpec] = doc("Reward models (each a Ray role), summed with their weights.",
                                         factory=list)
     remote: list[RemoteRewardSpec] = doc("Remote HTTP rewards, summed with their weights.", factory=list)
+    verifier: str = doc("What judges an answer right, for the default reward and every accuracy figure: 'integer' "
+                        "(the tiny task's first-integer match), 'math' (math-verify, boxed answers first), 'exact', "
+                        "'regex' (the answer is a pattern), 'json_schema' (the answer is a schema the completion must "
+                        "satisfy), or package.module:function; 'auto': integer on the embedded data, math on yours.",
+                        "auto")
+    workers: int = doc("Processes the reward functions and the verifier score a batch in, side by side.", 2, min=1)
     timeout_s: float = doc("Seconds one reward-function call may take (it runs in a process of its own; one "
                            "that hangs is stopped and the call counts as an error).", 10.0, min=0, exclusive_min=True)
     on_error: Literal["fail", "zero", "drop_sample"] = doc(
@@ -326,6 +340,12 @@ class EvalSpec:
 class LogSpec:
     every_steps: int = doc("Write a metrics.jsonl line every N steps.", 10, min=1)
     progress_bar: bool = doc("Show a progress bar on the console.", True)
+    tensorboard: bool = doc("Write TensorBoard event files into OUTPUT/tensorboard (the metrics, the resolved spec "
+                            "and the environment).", True)
+    wandb: Optional[str] = doc("Weights & Biases project to log to as well; null: none.", None)
+    wandb_mode: Literal["online", "offline"] = doc("'offline' writes the W&B run into OUTPUT/wandb for `wandb "
+                                                   "sync` later; 'online' needs WANDB_API_KEY or `wandb login`.",
+                                                   "online")
 
 
 @dataclass

@@ -20,7 +20,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from elasticrl.data.records import read_jsonl, write_jsonl
+from elasticrl.data.records import read_records, write_jsonl
 from elasticrl.spec import JobSpec
 from elasticrl.spec.load import parse_attributes
 from elasticrl.world import world_paths
@@ -36,20 +36,20 @@ def conditioned_data(spec: JobSpec, folder: Path) -> tuple[str, str, str]:
     d, c = spec.data, spec.conditional
     world = world_paths(spec.world) if d.train is None or d.eval is None else {}
     if d.train is None:  # the world's right answers score quality 1, its near misses 0
-        pairs = read_jsonl(world["preference"], (d.prompt_key, d.chosen_key, d.rejected_key))
-        sft = read_jsonl(world["sft"], (d.prompt_key, d.response_key))
+        pairs = read_records(world["preference"], (d.prompt_key, d.chosen_key, d.rejected_key))
+        sft = read_records(world["sft"], (d.prompt_key, d.response_key))
         train = [{d.prompt_key: condition(x[d.prompt_key], {"quality": 1}), d.response_key: x[d.response_key]}
                  for x in sft]
         train += [{d.prompt_key: condition(p[d.prompt_key], {"quality": q}), d.response_key: p[key]}
                   for p in pairs for key, q in ((d.chosen_key, 1), (d.rejected_key, 0))]
     else:
-        lines = read_jsonl(d.train, (d.prompt_key, d.response_key, c.attributes_key))
+        lines = read_records(d.train, (d.prompt_key, d.response_key, c.attributes_key), check=True)
         for i, line in enumerate(lines):
             if not isinstance(line[c.attributes_key], dict):
                 raise ValueError(f"{d.train}: line {i + 1}: {c.attributes_key!r} must be a JSON object of scores")
         train = [{d.prompt_key: condition(x[d.prompt_key], x[c.attributes_key]), d.response_key: x[d.response_key]}
                  for x in lines]
-    evals = read_jsonl(d.eval or world["eval"], (d.prompt_key, d.answer_key))
+    evals = read_records(d.eval or world["eval"], (d.prompt_key, d.answer_key))
     want = parse_attributes(c.eval_attributes, "conditional.eval_attributes")
     other = parse_attributes(c.compare_attributes, "conditional.compare_attributes")
     return (write_jsonl(folder / "train.jsonl", train),
@@ -69,9 +69,8 @@ def run_conditional(spec: JobSpec, output: Path) -> dict:
         d = spec.data
         model = load_causal_lm(output / "final", spec.model.trust_remote_code)
         tok = load_tokenizer(output / "final", spec.model.trust_remote_code)
-        records = read_jsonl(compare, (d.prompt_key, d.answer_key))[: spec.eval.num_prompts or None]
-        correct, total = greedy_accuracy(model, tok, records, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                         apply_chat_template=d.apply_chat_template,
+        records = read_records(compare, (d.prompt_key, d.answer_key))[: spec.eval.num_prompts or None]
+        correct, total = greedy_accuracy(model, tok, records, spec,
                                          max_new_tokens=spec.eval.max_new_tokens, dp_rank=0, dp_size=1,
                                          synced=False, device="cpu")
         summary["compare_accuracy"] = correct / max(1, total)

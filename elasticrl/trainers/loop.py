@@ -4,21 +4,31 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import yaml
+
+from elasticrl.backend import environment
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints
 from elasticrl.files import disk_problem, write_text
-from elasticrl.spec import JobSpec, dump_spec, load_spec, read_raw
+from elasticrl.spec import JobSpec, dump_spec, load_spec, read_raw, spec_to_dict
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON object per logged step, flushed as written."""
+    """The metrics of a run: ``OUTPUT/metrics.jsonl`` (one JSON object per logged step, flushed
+    as written), TensorBoard event files in ``OUTPUT/tensorboard`` (``log.tensorboard``) and a
+    Weights & Biases run (``log.wandb``); the last two also get the resolved spec and the
+    environment once at the start. A resumed run (``resume_step``) drops what was logged past
+    its checkpoint and logs those steps again."""
 
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
+    def __init__(self, output: Path, spec: JobSpec, resume_step: int | None):
+        self.path = path = output / "metrics.jsonl"
         if resume_step is None:
             path.unlink(missing_ok=True)
         elif path.exists():  # drop lines past the checkpoint: the resumed run rewrites them
@@ -26,13 +36,50 @@ class MetricsLog:
                     if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
             write_text(path, "".join(ln + "\n" for ln in kept))
         self.fh = open(path, "a")
+        self.tensorboard = self.wandb = None
+        about = {"spec": spec_to_dict(spec), "environment": environment()}
+        if spec.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            if resume_step is None:  # a fresh run's events only
+                shutil.rmtree(output / "tensorboard", ignore_errors=True)
+            self.tensorboard = SummaryWriter(str(output / "tensorboard"), purge_step=(resume_step or 0) + 1)
+            for key, value in about.items():
+                self.tensorboard.add_text(key, "```\n" + yaml.safe_dump(value, sort_keys=False) + "```",
+                                          resume_step or 0)
+        if spec.log.wandb:
+            self.wandb = _wandb_run(output, spec, about)
 
     def write(self, row: dict) -> None:
         self.fh.write(json.dumps(row, sort_keys=False) + "\n")
         self.fh.flush()
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and k != "step"}
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, row["step"])
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=row["step"])
 
     def close(self) -> None:
         self.fh.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(output: Path, spec: JobSpec, about: dict):
+    """The run's W&B run: one per output folder (its id kept there), continued on resume."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    id_file = output / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    write_text(id_file, run_id)
+    return wandb.init(project=spec.log.wandb, id=run_id, resume="allow", dir=str(output), mode=spec.log.wandb_mode,
+                      name=output.name, config=about)
 
 
 def finish_run(group, spec: JobSpec, output: Path, summary: dict, row: dict, progress, metrics) -> dict:
@@ -101,8 +148,6 @@ def asked_engines(output: Path, seen: float) -> tuple[int | None, float]:
 
 def mark_finished(spec: JobSpec, output: Path, summary: dict) -> None:
     """``OUTPUT/finished.json``: the run ended; its spec and summary."""
-    from elasticrl.spec import spec_to_dict
-
     write_text(output / FINISHED, json.dumps({"spec": spec_to_dict(spec), "summary": summary}, default=str, indent=1))
 
 
@@ -113,8 +158,6 @@ def finished_run(spec: JobSpec, output: Path) -> dict | None:
     path = output / FINISHED
     if spec.checkpoint.resume != "auto" or not path.is_file():
         return None
-    from elasticrl.spec import spec_to_dict
-
     done = json.loads(path.read_text())
     changed = ckpt.changed_fields(done["spec"], spec_to_dict(spec))
     if not changed or all(k.startswith(("eval.", "log.", "export.", "ray.")) for k in changed):
@@ -221,7 +264,7 @@ def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evalu
     then step, log, evaluate every ``eval.every_steps`` and at the end, checkpoint, export.
     ``step_row(results of the data-parallel leaders)`` makes a step's metrics; ``show`` names
     the eval figure on the progress bar; ``start``: the step a resumed run continues after."""
-    metrics = MetricsLog(output / "metrics.jsonl", resume_step=start)
+    metrics = MetricsLog(output, spec, resume_step=start)
     progress = Progress(total, start or 0, spec.log.progress_bar, desc=spec.algorithm)
     summary: dict = {}
     if not start and spec.eval.enabled:

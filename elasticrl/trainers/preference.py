@@ -23,7 +23,7 @@ import torch
 from elasticrl import backend
 from elasticrl.algorithms.preference import dpo_loss, kto_loss
 from elasticrl.cluster import Placement, RoleGroup, ray_session
-from elasticrl.data.records import read_jsonl, sample_indices, tokenize_sft
+from elasticrl.data.records import prompt_answer, read_records, sample_indices, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models import torch_dtype
 from elasticrl.models.evaluate import greedy_accuracy
@@ -56,13 +56,13 @@ class PreferenceWorker:
         self.tok = self.core.tokenizer
         pair_keys = (d.prompt_key, d.chosen_key, d.rejected_key)
         if s.algorithm == "kto" and self.paths["train_kind"] == "unpaired":
-            self.records = read_jsonl(self.paths["train"], (d.prompt_key, d.response_key, d.label_key))
+            self.records = read_records(self.paths["train"], (d.prompt_key, d.response_key, d.label_key))
         else:
-            self.records = read_jsonl(self.paths["train"], pair_keys)
+            self.records = read_records(self.paths["train"], pair_keys)
             if s.algorithm == "kto":
                 self.records = unpaired(self.records, s)
-        self.eval_pairs = read_jsonl(self.paths["eval"], pair_keys)
-        self.eval_prompts = read_jsonl(self.paths["eval_prompts"], (d.prompt_key, d.answer_key)) \
+        self.eval_pairs = read_records(self.paths["eval"], pair_keys)
+        self.eval_prompts = read_records(self.paths["eval_prompts"], prompt_answer(d)) \
             if self.paths.get("eval_prompts") else []
         self.ref = load_causal_lm(self.paths["model"], s.model.trust_remote_code).to(
             self.core.device, torch_dtype(self.core.dtype)).eval().requires_grad_(False)
@@ -109,7 +109,7 @@ class PreferenceWorker:
     def set_records(self, path: str) -> None:
         """Train on these pairs from now on (iterative DPO: each round's)."""
         d = self.spec.data
-        self.records = read_jsonl(path, (d.prompt_key, d.chosen_key, d.rejected_key))
+        self.records = read_records(path, (d.prompt_key, d.chosen_key, d.rejected_key))
 
     def attach_rollout(self, *args) -> str:
         return self.core.attach_rollout(*args)
@@ -193,8 +193,7 @@ class PreferenceWorker:
         if self.eval_prompts:
             prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
             out["answers_correct"], out["answers"] = greedy_accuracy(
-                core.engine.module, self.tok, prompts, prompt_key=s.data.prompt_key, answer_key=s.data.answer_key,
-                apply_chat_template=s.data.apply_chat_template, max_new_tokens=s.eval.max_new_tokens,
+                core.engine.module, self.tok, prompts, s, max_new_tokens=s.eval.max_new_tokens,
                 dp_rank=core.dp_rank, dp_size=core.dp_size, synced=s.train.zero_stage == 3 or s.train.tp_size > 1,
                 device=core.device)
         return out
@@ -213,7 +212,7 @@ def resolve_preference_paths(spec: JobSpec) -> dict[str, str]:
 
 
 def _train_kind(spec: JobSpec, path: str) -> str:
-    first = read_jsonl(path, (spec.data.prompt_key,))[0]
+    first = read_records(path, (spec.data.prompt_key,), check=True)[0]
     return "unpaired" if spec.data.label_key in first and spec.data.chosen_key not in first else "pairs"
 
 
@@ -221,9 +220,11 @@ def _check_user_data(spec: JobSpec) -> None:
     """The user's preference files, read before Ray starts."""
     d = spec.data
     if d.train:
-        _count_records(spec, {"train": d.train, "train_kind": _train_kind(spec, d.train)})
+        kind = _train_kind(spec, d.train)
+        read_records(d.train, (d.prompt_key, d.response_key, d.label_key) if kind == "unpaired" else
+                     (d.prompt_key, d.chosen_key, d.rejected_key), check=True)
     if d.eval:
-        read_jsonl(d.eval, (d.prompt_key, d.chosen_key, d.rejected_key))
+        read_records(d.eval, (d.prompt_key, d.chosen_key, d.rejected_key), check=True)
 
 
 def run_preference(spec: JobSpec, output: Path) -> dict:
@@ -254,8 +255,8 @@ def run_preference(spec: JobSpec, output: Path) -> dict:
 def _count_records(spec: JobSpec, paths: dict) -> int:
     d = spec.data
     if paths["train_kind"] == "unpaired":
-        return len(read_jsonl(paths["train"], (d.prompt_key, d.response_key, d.label_key)))
-    pairs = len(read_jsonl(paths["train"], (d.prompt_key, d.chosen_key, d.rejected_key)))
+        return len(read_records(paths["train"], (d.prompt_key, d.response_key, d.label_key)))
+    pairs = len(read_records(paths["train"], (d.prompt_key, d.chosen_key, d.rejected_key)))
     return 2 * pairs if spec.algorithm == "kto" else pairs
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from elasticrl.algorithms.preference import process_reward_loss
-from elasticrl.data.records import format_prompt, pad_batch, read_jsonl
+from elasticrl.data.records import format_prompt, pad_batch, read_records
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
 from elasticrl.spec import JobSpec
@@ -32,10 +32,10 @@ def step_keys(spec: JobSpec) -> tuple[str, ...]:
     return spec.data.prompt_key, spec.data.steps_key, spec.data.step_labels_key
 
 
-def read_step_records(path: str, spec: JobSpec) -> list[dict]:
+def read_step_records(path: str, spec: JobSpec, check: bool = False) -> list[dict]:
     """The lines of ``path``, checked: a non-empty list of steps and as many labels in [0, 1]."""
     _, steps_key, labels_key = keys = step_keys(spec)
-    records = read_jsonl(path, keys)
+    records = read_records(path, keys, check)
     for lineno, rec in enumerate(records, 1):
         steps, labels = rec[steps_key], rec[labels_key]
         if not (isinstance(steps, list) and steps and all(isinstance(x, str) for x in steps)):
@@ -147,7 +147,7 @@ class PRMWorker(RMWorker):
 
 
 def run_prm(spec: JobSpec, output: Path) -> dict:
-    return run_head_trainer(spec, output, PRMWorker, ("prm", "prm_eval"), lambda path: read_step_records(path, spec),
+    return run_head_trainer(spec, output, PRMWorker, ("prm", "prm_eval"), lambda path: read_step_records(path, spec, check=True),
                             _step_row, _evaluate, "step_accuracy")
 
 

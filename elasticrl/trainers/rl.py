@@ -33,10 +33,12 @@ from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, vary
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import RunningMoments, masked_whiten
 from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable, ray_session
-from elasticrl.data.records import format_prompt, read_jsonl, sample_indices
+from elasticrl.data.records import (Records, format_prompt, prompt_answer, prompt_of, prompt_text, read_records,
+                                    sample_indices)
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints
 from elasticrl.models import load_tokenizer
+from elasticrl.rewards.verifiers import full_marks
 from elasticrl.plan.planner import fewer_ranks
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
@@ -50,7 +52,6 @@ from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, check_
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
 from elasticrl.world import world_paths
-from elasticrl.world.task import is_correct
 
 log = logging.getLogger(__name__)
 PHASES = ("rollout", "experience", "train", "sync")
@@ -184,9 +185,9 @@ class Run:
     roles: Roles
     rewards: RewardSources
     tokenizer: object
-    prompts: list[dict]
-    prompt_ids: list[list[int]]
-    evals: list[dict]
+    prompts: Records
+    prompt_ids: Encoded
+    evals: Records
     eval_ids: list[list[int]]
     output: Path
     asked: JobSpec | None = None                     # the spec as the user gave it, which checkpoints record
@@ -233,7 +234,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     output = prepare_output(spec, output)
     asked = spec
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
-    check_user_files(spec, lambda path: read_jsonl(path, (spec.data.prompt_key, spec.data.answer_key)))
+    check_user_files(spec, lambda path: read_records(path, prompt_answer(spec.data), check=True))
     # the reward functions' process starts first: one that does not import fails before Ray
     with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
@@ -242,8 +243,11 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
                 spec.rewards, models=[RewardModelSpec(path=path, weight=1.0)]))
             summary["reward_model"] = path
         paths = resolve_rl_paths(spec)
-        prompts = read_jsonl(paths["prompts"], (spec.data.prompt_key, spec.data.answer_key))
-        evals = read_jsonl(paths["eval"], (spec.data.prompt_key, spec.data.answer_key))
+        prompts = read_records(paths["prompts"], prompt_answer(spec.data))
+        evals = read_records(paths["eval"], prompt_answer(spec.data))
+        tok = load_tokenizer(paths["model"], spec.model.trust_remote_code, spec.data.chat_template)
+        prompt_ids, eval_ids = (Encoded(records, lambda r: _encode(spec, tok, r)) for records in (prompts, evals))
+        _encode(spec, tok, prompts[0])  # a prompt the template cannot render fails here, before the roles start
         rl = spec.rl
         total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
             // spec.train.global_batch_size
@@ -255,18 +259,28 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
               f"{roles.startup['models_s']} s, the engines starting meanwhile); CPU threads per rank: "
               + ", ".join(f"{r} {n}" for r, n in threads.items()), file=sys.stderr, flush=True)
         try:
-            tok = load_tokenizer(paths["model"], spec.model.trust_remote_code)
-            evals_used = evals[: spec.eval.num_prompts or None]
-            run = Run(spec, roles, rewards, tok, prompts, [_encode(spec, tok, r) for r in prompts], evals,
-                      [_encode(spec, tok, r) for r in evals_used], output, asked, scale_seen=started)
+            evals_used = range(min(len(evals), spec.eval.num_prompts or len(evals)))
+            run = Run(spec, roles, rewards, tok, prompts, prompt_ids, evals, [eval_ids[i] for i in evals_used], output,
+                      asked, scale_seen=started)
             summary.update(_train_run(run, resume_dir))
         finally:
             roles.shutdown()
     return summary
 
 
+class Encoded:
+    """The token ids of a dataset's prompts, encoded when asked for (a large dataset is not
+    tokenised up front, nor held in memory)."""
+
+    def __init__(self, records, encode):
+        self.records, self.encode = records, encode
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.encode(self.records[i])
+
+
 def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
-    text = format_prompt(tok, record[spec.data.prompt_key], spec.data.apply_chat_template)
+    text = format_prompt(tok, prompt_of(record, spec.data), spec.data.apply_chat_template)
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -277,10 +291,10 @@ def _train_run(run: Run, resume_dir: Path | None) -> dict:
                                   str(run.output / "weights"))
     if resume_dir:
         roles.pool.sync(run.version)
-    run.metrics = MetricsLog(run.output / "metrics.jsonl", resume_step=start if resume_dir else None)
+    run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume_dir else None)
     summary: dict = {"transport": transport}
     if start == 0 and spec.eval.every_steps and spec.eval.enabled:
-        summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals)}
+        summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals, run.rewards.verify)}
         run.metrics.write(summary["initial"])
     run.progress = Progress(spec.rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
@@ -344,7 +358,7 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     else:
         start = _resume(run, folder)
     run.metrics.close()
-    run.metrics = MetricsLog(run.output / "metrics.jsonl", resume_step=start)
+    run.metrics = MetricsLog(run.output, run.asked, resume_step=start)
     roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(run.output / "weights"))
     roles.pool.sync(run.version)
     run.seconds_lost += time.time() - run.saved_at
@@ -395,7 +409,8 @@ def experience(run: Run, s: Step) -> None:
     log-probs, the critic's values and the advantages. The model passes run side by side,
     and while the rewards are scored (dynamic sampling first picks the rows they see)."""
     with _timed(s, "experience"):
-        p_ids = [run.prompt_ids[s.indices[r["prompt_index"]]] for r in s.results]
+        drawn = [run.prompt_ids[i] for i in s.indices]
+        p_ids = [drawn[r["prompt_index"]] for r in s.results]
         s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
         batch_ref = ray.put(s.batch)
         passes = None if run.spec.rl.dynamic_sampling else _start_model_passes(run, batch_ref)
@@ -413,15 +428,14 @@ def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
     """The rewards of the batch ``s.batch`` (``batch_ref``: it in Ray's store); reward and
     accuracy figures."""
     spec, rl = run.spec, run.spec.rl
-    pk, ak = spec.data.prompt_key, spec.data.answer_key
     texts = [r["text"] for r in s.results]
     recs = [run.prompts[s.indices[r["prompt_index"]]] for r in s.results]
     models = [(lambda g=g: gather_rows(g.call("score", batch_ref), "values"), w) for g, w in run.roles.rewards]
-    scores = run.rewards([r[pk] for r in recs], texts, [r.get(ak) for r in recs], models, where=f"step {s.step + 1}")
+    scores = run.rewards([prompt_text(r, spec.data) for r in recs], texts, [r.get(spec.data.answer_key) for r in recs],
+                         models, where=f"step {s.step + 1}")
     raw = _drop(run, s, scores)
     kept = raw[scores.keep]
-    correct = torch.tensor([float(is_correct(c, r[ak])) if r.get(ak) is not None else 0.0
-                            for c, r in zip(texts, recs)])
+    correct = torch.tensor([float(full_marks(v)) for v in scores.verified])
     s.info = {"reward/mean": kept.mean().item() if len(kept) else 0.0,
               "reward/std": kept.std().item() if len(kept) > 1 else 0.0,
               "accuracy": correct.mean().item(), "response_length": s.batch["response_mask"].sum(1).mean().item(),
@@ -582,7 +596,7 @@ def report(run: Run, s: Step) -> dict:
         run.copy = (done, {role: _merged(g.call("snapshot")) for role, g in _trained(run.roles).items()},
                     _driver_state(run, done))
     if eval_due(spec, done, spec.rl.num_steps):
-        row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals))
+        row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals, run.rewards.verify))
     if done % spec.log.every_steps == 0 or "eval/accuracy" in row or last or done == 1:
         run.metrics.write(row)
     if _checkpoint_after(spec, s.step):

@@ -16,7 +16,7 @@ from elasticrl import backend
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
-from elasticrl.data.records import pad_batch, read_jsonl, row_share, sample_indices, tokenize_sft
+from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
@@ -89,7 +89,7 @@ class ActorWorker(_TrainedRole):
         out = super().setup(rank, world_size, addr, port, total_steps, resume)
         rl = self.spec.rl
         if rl.ptx_coef > 0:
-            self.ptx_records = read_jsonl(self.ptx_path, ("prompt", "response"))
+            self.ptx_records = read_records(self.ptx_path, ("prompt", "response"))
         return out
 
     def set_ptx_data(self, path: str) -> None:
@@ -167,9 +167,9 @@ class ActorWorker(_TrainedRole):
                              self.core.dp_rank * per_rank, per_rank)
         ex = [tokenize_sft(self.core.tokenizer, self.ptx_records[i]["prompt"], self.ptx_records[i]["response"],
                            s.data.apply_chat_template, s.data.max_length) for i in idx]
-        ids, plens = zip(*ex)
+        ids, trained = zip(*ex)
         b = {k: v.to(self.core.device) for k, v in pad_batch(list(ids), self.core.tokenizer.pad_token_id,
-                                                               list(plens)).items()}
+                                                               list(trained)).items()}
         logits = self.core.engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
         mask = response_mask(b["labels"])
         return -masked_sum(token_logprobs(logits, b["labels"]), mask) / mask.sum().clamp(min=1)

@@ -19,7 +19,7 @@ import torch
 
 from elasticrl.algorithms.preference import bradley_terry_loss
 from elasticrl.cluster import Placement, ray_session
-from elasticrl.data.records import pad_batch, read_jsonl, tokenize_sft
+from elasticrl.data.records import pad_batch, read_records, tokenize_sft
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
 from elasticrl.plan.roles import cpus_needed
@@ -39,8 +39,8 @@ class RMWorker:
         s = self.spec
         self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value",
                               resume=resume)
-        self.pairs = read_jsonl(self.paths["train"], pair_keys(s))
-        self.eval_pairs = read_jsonl(self.paths["eval"], pair_keys(s))
+        self.pairs = read_records(self.paths["train"], pair_keys(s))
+        self.eval_pairs = read_records(self.paths["eval"], pair_keys(s))
         return {"dtype": self.core.dtype}
 
     def model(self):
@@ -126,7 +126,7 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
 
 def run_rm(spec: JobSpec, output: Path) -> dict:
     return run_head_trainer(spec, output, RMWorker, ("preference", "preference_eval"),
-                            lambda path: read_jsonl(path, pair_keys(spec)), _step_row, _evaluate, "pairwise_accuracy")
+                            lambda path: read_records(path, pair_keys(spec), check=True), _step_row, _evaluate, "pairwise_accuracy")
 
 
 def _evaluate(group, spec) -> dict:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from elasticrl.cluster import Placement, RoleGroup, ray_session
-from elasticrl.data.records import format_prompt, read_jsonl, sample_indices, write_jsonl
+from elasticrl.data.records import format_prompt, read_records, sample_indices, write_jsonl
 from elasticrl.models import load_tokenizer
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
@@ -66,7 +66,7 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
     output = prepare_output(spec, output)
     r = spec.rounds
     total = r.num_rounds * r.steps_per_round
-    check_user_files(spec, lambda path: read_jsonl(path, (spec.data.prompt_key, spec.data.answer_key)))
+    check_user_files(spec, lambda path: read_records(path, (spec.data.prompt_key, spec.data.answer_key), check=True))
     with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         world = world_paths(spec.world)
         model = initial_model(spec)
@@ -74,8 +74,8 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
         rs = spec.algorithm == "rejection_sampling"
         paths = {"model": model, "train": str(world["sft" if rs else "preference"]),
                  "eval": str(world["eval" if rs else "preference_eval"]), "eval_prompts": "", "train_kind": "pairs"}
-        prompts = read_jsonl(spec.data.train or str(world["rl_prompts"]), (spec.data.prompt_key, spec.data.answer_key))
-        evals = read_jsonl(spec.data.eval or str(world["eval"]), (spec.data.prompt_key, spec.data.answer_key))
+        prompts = read_records(spec.data.train or str(world["rl_prompts"]), (spec.data.prompt_key, spec.data.answer_key))
+        evals = read_records(spec.data.eval or str(world["eval"]), (spec.data.prompt_key, spec.data.answer_key))
         worker = SFTWorker if spec.algorithm == "rejection_sampling" else PreferenceWorker
         placement = Placement(spec)
         group = placement.group("actor", worker, spec_to_dict(spec), paths, name="trainer")
@@ -98,17 +98,17 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
 def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict) -> dict:
     """Rounds from ``state['round']`` (0, or where a checkpoint left off) to the last."""
     r, rl, d = spec.rounds, spec.rl, spec.data
-    tok = load_tokenizer(model, spec.model.trust_remote_code)
+    tok = load_tokenizer(model, spec.model.trust_remote_code, spec.data.chat_template)
 
     def encode(text):
         return tok(format_prompt(tok, text, d.apply_chat_template), add_special_tokens=False)["input_ids"]
 
     eval_ids = [encode(e[d.prompt_key]) for e in evals[: spec.eval.num_prompts or None]]
     start, version = state["round"], state["version"]
-    metrics = MetricsLog(output / "metrics.jsonl", resume_step=start * r.steps_per_round if start else None)
+    metrics = MetricsLog(output, spec, resume_step=start * r.steps_per_round if start else None)
     summary: dict = {}
     if not start and spec.eval.enabled:
-        summary["initial"] = {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals)}
+        summary["initial"] = {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals, rewards.verify)}
         metrics.write(summary["initial"])
     progress = Progress(r.num_rounds, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
@@ -145,7 +145,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
             version = rnd + 1
             row.update(pool.sync(version))
         if spec.eval.enabled:
-            row.update(evaluate_answers(spec, pool, eval_ids, evals))
+            row.update(evaluate_answers(spec, pool, eval_ids, evals, rewards.verify))
         metrics.write(row)
         every, steps = spec.checkpoint.every_steps, r.steps_per_round
         if every and ((rnd + 1) * steps // every > rnd * steps // every or rnd + 1 == r.num_rounds):

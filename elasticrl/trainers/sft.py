@@ -17,7 +17,7 @@ from pathlib import Path
 from elasticrl import backend
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.cluster import Placement, RoleGroup, ray_session
-from elasticrl.data.records import pad_batch, read_jsonl, tokenize_sft
+from elasticrl.data.records import pad_batch, prompt_answer, read_records, sft_example, sft_fields
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.rank import TrainRank
 from elasticrl.models.evaluate import greedy_accuracy
@@ -40,24 +40,24 @@ class SFTWorker:
         s = self.spec
         self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, resume=resume)
         self.engine, self.tokenizer, self.rank = self.core.engine, self.core.tokenizer, rank
-        self.records = read_jsonl(self.paths["train"], (s.data.prompt_key, s.data.response_key))
-        self.eval_records = read_jsonl(self.paths["eval"], (s.data.prompt_key, s.data.answer_key))
+        self.records = read_records(self.paths["train"], sft_fields(s.data))
+        self.eval_records = read_records(self.paths["eval"], prompt_answer(s.data))
         return {"dtype": self.core.dtype}
 
     def train_step(self, step: int) -> dict:
         s, core = self.spec, self.core
-        examples = [tokenize_sft(self.tokenizer, self.records[i][s.data.prompt_key],
-                                 self.records[i][s.data.response_key], s.data.apply_chat_template,
-                                 s.data.max_length) for i in core.batch_records(len(self.records), step)]
+        examples = [sft_example(self.tokenizer, self.records[i], s.data)
+                    for i in core.batch_records(len(self.records), step)]
         # Every rank sees the whole global batch's ids, so it knows the global token count
-        # without a collective: the loss is a true mean over all response tokens.
-        global_tokens = sum(len(ids) - max(plen, 1) for ids, plen in examples)
+        # without a collective: the loss is a true mean over all trained tokens (the first
+        # token of a sequence is never predicted).
+        global_tokens = sum(sum(trained[1:]) for _, trained in examples)
         lr = self.engine.get_lr()[0]
         nll_total, seq_tokens = 0.0, 0
         self.engine.train()
         for part in core.split(examples):
-            ids, plens = zip(*part)
-            batch = {k: v.to(core.device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id, list(plens)).items()}
+            ids, trained = zip(*part)
+            batch = {k: v.to(core.device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id, list(trained)).items()}
             logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             nll = -masked_sum(token_logprobs(logits, batch["labels"]), response_mask(batch["labels"]))
             nll_total += core.backward(nll, max(global_tokens, 1))
@@ -68,7 +68,7 @@ class SFTWorker:
 
     def set_records(self, path: str) -> None:
         """Train on these examples from now on (rejection sampling: each round's)."""
-        self.records = read_jsonl(path, (self.spec.data.prompt_key, self.spec.data.response_key))
+        self.records = read_records(path, sft_fields(self.spec.data))
 
     def attach_rollout(self, *args) -> str:
         return self.core.attach_rollout(*args)
@@ -84,9 +84,8 @@ class SFTWorker:
         records = self.eval_records[:num_prompts] if num_prompts else self.eval_records
         synced = s.train.zero_stage == 3 or s.train.tp_size > 1
         correct, total = greedy_accuracy(
-            self.engine.module, self.tokenizer, records, prompt_key=s.data.prompt_key,
-            answer_key=s.data.answer_key, apply_chat_template=s.data.apply_chat_template,
-            max_new_tokens=s.eval.max_new_tokens, dp_rank=self.core.dp_rank, dp_size=self.core.dp_size,
+            self.engine.module, self.tokenizer, records, s, max_new_tokens=s.eval.max_new_tokens,
+            dp_rank=self.core.dp_rank, dp_size=self.core.dp_size,
             synced=synced, device=backend.current_device())
         return {"correct": correct, "total": total, "leader": self.core.is_dp_leader}
 
@@ -110,8 +109,8 @@ def run_sft(spec: JobSpec, output: Path) -> dict:
     resume_dir = find_resume(spec, output)
     output = prepare_output(spec, output)
     paths = resolve_paths(spec)
-    num_records = len(read_jsonl(paths["train"], (spec.data.prompt_key, spec.data.response_key)))
-    read_jsonl(paths["eval"], (spec.data.prompt_key, spec.data.answer_key))  # fail before Ray starts
+    num_records = len(read_records(paths["train"], sft_fields(spec.data), check=True))
+    read_records(paths["eval"], prompt_answer(spec.data), check=True)  # fail before Ray starts
     t = spec.train
     total = num_steps(t.max_steps, t.num_epochs, num_records, t.global_batch_size)
     start = ckpt.read_trainer_state(resume_dir)["step"] if resume_dir else 0
@@ -132,7 +131,7 @@ def _evaluate(group: RoleGroup, spec: JobSpec) -> float:
 
 
 def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int) -> dict:
-    metrics = MetricsLog(output / "metrics.jsonl", resume_step=start if start else None)
+    metrics = MetricsLog(output, spec, resume_step=start if start else None)
     progress = Progress(total, start, spec.log.progress_bar, desc="sft")
     summary: dict = {}
     if start == 0 and spec.eval.every_steps and spec.eval.enabled:

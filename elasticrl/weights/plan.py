@@ -59,9 +59,15 @@ def record_copy_plans(model, model_path: str, arena: torch.Tensor) -> tuple[dict
     from elasticrl.weights.shards import shard_files
 
     plans, unplanned = {}, []
+    # a second name of one parameter (a head tied to the embeddings) needs no plan: it is never
+    # sent, the trainer's parameters list a tied tensor once, under its first name
+    first: dict[int, str] = {}
+    aliases = {n for n, p in model.named_parameters(remove_duplicate=False) if first.setdefault(id(p), n) != n}
     for path in shard_files(model_path):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if name in aliases:
+                    continue
                 sl = f.get_slice(name)
                 probe = torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()])
                 rec = _Recorder(probe, arena)

@@ -192,7 +192,7 @@ def test_local_cwd_launch_restarts_a_job_whose_head_died_and_goes_on_smaller_wit
     assert [r["sync/version"] for r in steps] == [1, 2, 3, 4, 5, 6] and steps[0]["sync/transport"] == "broadcast"
     for row in steps:
         assert row["sync/gbytes"] > 0 and row["rl/staleness"] == 0 and row["time/rollout"] > 0
-        # exact_answer (weight 1) is the only reward: its mean is the batch accuracy
+        # the verifier (weight 1) is the only reward: its mean is the batch accuracy
         assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
         assert math.isfinite(row["policy_loss"])
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3, 6] and "eval/pass@2" in steps[-1]

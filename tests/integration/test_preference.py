@@ -12,7 +12,7 @@ import math
 import pytest
 
 from elasticrl import backend
-from elasticrl.data.records import read_jsonl, sample_indices
+from elasticrl.data.records import read_records, sample_indices
 from elasticrl.spec import load_spec
 from elasticrl.trainers.conditional import run_conditional
 from elasticrl.trainers.preference import run_preference
@@ -100,11 +100,11 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
     summary = run_rounds(spec, tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
-    answers = {r["prompt"]: r["answer"] for r in read_jsonl(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
+    answers = {r["prompt"]: r["answer"] for r in read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
     for rnd in (1, 2, 3):
-        data = read_jsonl(tmp_path / "run" / "rounds" / f"{rnd}.jsonl", ("prompt",))
+        data = read_records(tmp_path / "run" / "rounds" / f"{rnd}.jsonl", ("prompt",))
         assert rows[rnd]["round/records"] == len(data) > 0
-        for rec in data:  # exact_answer scores 1 or 0: kept answers are right, rejected ones wrong
+        for rec in data:  # the integer verifier scores 1 or 0: kept answers are right, rejected ones wrong
             if algorithm == "rejection_sampling":
                 assert is_correct(rec["response"], answers[rec["prompt"]])
             else:
@@ -115,7 +115,7 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
     assert summary["final"]["round"] == 3 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
     # the rounds taught the task they were rewarded on: greedy answers to the prompts they sampled
     # improved (same prompts, the starting model against the final one)
-    prompts = read_jsonl(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
+    prompts = read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
     n = spec.rounds.prompts_per_round
     seen = sorted({i for rnd in range(3) for i in sample_indices(len(prompts), spec.seed, rnd * n, n)})
     before = _greedy_accuracy(initial_model(spec), [prompts[i] for i in seen])
@@ -143,8 +143,8 @@ def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_p
         "train.max_steps=20", "eval.every_steps=0", "eval.num_prompts=32", "eval.max_new_tokens=6"])
     summary = run_conditional(spec, tmp_path / "run")
     folder = tmp_path / "run" / "conditional"
-    train = read_jsonl(folder / "train.jsonl", ("prompt", "response"))
-    answers = {r["prompt"]: r["answer"] for r in read_jsonl(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
+    train = read_records(folder / "train.jsonl", ("prompt", "response"))
+    answers = {r["prompt"]: r["answer"] for r in read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
     marked = {"[quality:0] ": 0, "[quality:1] ": 0}
     for rec in train:
         tag, prompt = rec["prompt"][:12], rec["prompt"][12:]
@@ -152,7 +152,7 @@ def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_p
         if prompt in answers:  # near misses are marked 0, right answers 1
             assert is_correct(rec["response"], answers[prompt]) == (tag == "[quality:1] ")
     assert marked["[quality:0] "] > 0 and marked["[quality:1] "] > marked["[quality:0] "]
-    evals = read_jsonl(folder / "eval.jsonl", ("prompt", "answer"))
+    evals = read_records(folder / "eval.jsonl", ("prompt", "answer"))
     assert all(e["prompt"].startswith("[quality:1] ") for e in evals)
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1] == {"step": 20, "eval/compare_accuracy": summary["compare_accuracy"]}

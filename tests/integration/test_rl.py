@@ -190,7 +190,7 @@ def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from elasticrl.algorithms.logprobs import token_logprobs
-    from elasticrl.data.records import format_prompt, read_jsonl
+    from elasticrl.data.records import format_prompt, read_records
     from elasticrl.models import load_tokenizer
     from elasticrl.rollout.pool import RolloutPool, sampling_params
     from elasticrl.spec import spec_to_dict
@@ -203,7 +203,7 @@ def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_pa
     model = initial_model(spec)
     tok = load_tokenizer(model)
     prompts = [tok(format_prompt(tok, r["prompt"], True), add_special_tokens=False)["input_ids"]
-               for r in read_jsonl(world_paths(spec.world)["rl_prompts"])[:8]]
+               for r in read_records(world_paths(spec.world)["rl_prompts"])[:8]]
     pool = RolloutPool(model, spec.rollout, "fp32", spec.seed)
     actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(spec), model)
     try:

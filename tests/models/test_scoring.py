@@ -17,13 +17,13 @@ def _model(attn: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def _examples(seed: int, n: int) -> list[tuple[list[int], int]]:
+def _examples(seed: int, n: int) -> list[tuple[list[int], list[bool]]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         length = int(torch.randint(4, 15, (1,), generator=g))
         plen = int(torch.randint(1, length - 1, (1,), generator=g))
-        out.append((torch.randint(1, 50, (length,), generator=g).tolist(), plen))
+        out.append((torch.randint(1, 50, (length,), generator=g).tolist(), [i >= plen for i in range(length)]))
     return out
 
 
@@ -41,7 +41,7 @@ def test_packed_and_padded_give_the_same_logps_losses_and_gradients(attn):
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         results[packed] = (pc.detach(), nc, pr.detach(), loss.detach(), grads)
     (pc0, nc0, pr0, l0, g0), (pc1, nc1, pr1, l1, g1) = results[False], results[True]
-    assert torch.equal(nc0, nc1) and nc0.tolist() == [len(s) - p for s, p in chosen]
+    assert torch.equal(nc0, nc1) and nc0.tolist() == [sum(t) for _, t in chosen]  # the response tokens
     torch.testing.assert_close(pc1, pc0, atol=1e-5, rtol=0)
     torch.testing.assert_close(pr1, pr0, atol=1e-5, rtol=0)
     torch.testing.assert_close(l1, l0, atol=1e-5, rtol=0)

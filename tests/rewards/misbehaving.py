@@ -33,3 +33,17 @@ def flaky(prompt: str, completion: str, answer: str | None) -> float:
     if _calls % 10 == 0:
         raise RuntimeError(f"call {_calls} failed")
     return 0.0
+
+
+def pid(prompt: str, completion: str, answer: str | None) -> float:
+    """The process that scored the sample."""
+    return float(os.getpid())
+
+
+def record(prompt: str, completion: str, answer: str | None) -> float:
+    """Appends the sample to the file $ELASTICRL_TEST_RECORD as a JSON line; scores 0."""
+    import json
+
+    with open(os.environ["ELASTICRL_TEST_RECORD"], "a") as fh:
+        fh.write(json.dumps({"completion": completion, "answer": answer}) + "\n")
+    return 0.0

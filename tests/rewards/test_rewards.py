@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from elasticrl.rewards.functions import exact_answer, load_function
+from elasticrl.rewards.functions import load_function
+from elasticrl.rewards.verifiers import integer
 from elasticrl.rewards.remote import RemoteReward
 
 
@@ -71,14 +72,14 @@ def test_remote_reward_gives_up_after_its_retries():
 
 
 def test_reward_functions_load_by_import_path():
-    fn = load_function("elasticrl.rewards.functions:exact_answer")
-    assert fn is exact_answer
-    assert exact_answer("17+5=", "22", "22") == 1.0 and exact_answer("17+5=", "23", "22") == 0.0
-    assert exact_answer("p", "22", None) == 0.0
+    fn = load_function("elasticrl.rewards.verifiers:integer")
+    assert fn is integer
+    assert integer("17+5=", "22", "22") == 1.0 and integer("17+5=", "23", "22") == 0.0
+    assert integer("p", "22", None) == 0.0
     with pytest.raises(ValueError, match=r"rewards.functions\[0\].path: .* write package.module:function"):
-        load_function("elasticrl.rewards.functions.exact_answer", "rewards.functions[0].path")
+        load_function("elasticrl.rewards.verifiers.integer", "rewards.functions[0].path")
     with pytest.raises(ValueError, match="cannot import"):
-        load_function("elasticrl.rewards.functions:nope")
+        load_function("elasticrl.rewards.verifiers:nope")
 
 
 def test_reward_sources_sum_functions_endpoints_and_models_with_their_weights():
@@ -88,7 +89,7 @@ def test_reward_sources_sum_functions_endpoints_and_models_with_their_weights():
     server, url, seen = _serve([(200, json.dumps({"rewards": [0.5, -1.0]}).encode())])
     try:
         spec = load_spec({"algorithm": "grpo", "rewards": {
-            "functions": [{"path": "elasticrl.rewards.functions:exact_answer", "weight": 2.0}],
+            "functions": [{"path": "verifier", "weight": 2.0}],
             "remote": [{"url": url, "weight": 0.5}]}})
         with RewardSources(spec) as rewards:
             scores = rewards(["1+1=", "2+2="], ["2", "5"], ["2", "4"], models=[(lambda: torch.tensor([0.25, 1.0]), 4.0)])
@@ -96,9 +97,10 @@ def test_reward_sources_sum_functions_endpoints_and_models_with_their_weights():
         server.shutdown()
     # 2 x exact (1, 0) + 0.5 x remote (0.5, -1) + 4 x model (0.25, 1) = (2 + .25 + 1, 0 - .5 + 4)
     assert scores.total.tolist() == [3.25, 3.5] and scores.keep.all()
-    assert scores.info == {"reward/errors": 0, "reward/errors/exact_answer": 0, "reward/errors/remote0": 0,
+    assert scores.info == {"reward/errors": 0, "reward/errors/verifier": 0, "reward/errors/remote0": 0,
                            "reward/errors/model0": 0}
     assert seen == [{"prompts": ["1+1=", "2+2="], "completions": ["2", "5"], "answers": ["2", "4"]}]
+    assert scores.verified == [1.0, 0.0]  # the verifier was the reward function: its scores, not a second call
 
 
 MOODY = "tests.rewards.misbehaving:moody"
@@ -118,7 +120,7 @@ def test_a_reward_function_that_raises_hangs_crashes_or_gives_no_number_costs_th
 
     prompts = ["ok", "raise", "none", "text", "nan", "sleep", "ok", "crash", "ok"]
     with _sources(timeout_s=1.0, max_consecutive_errors=0) as rewards:
-        first = rewards.process.proc.pid
+        first = rewards.process.procs[0].proc.pid
         t0 = time.time()
         scores = rewards(prompts, ["abc"] * 9, [None] * 9)
         took = time.time() - t0
@@ -126,7 +128,23 @@ def test_a_reward_function_that_raises_hangs_crashes_or_gives_no_number_costs_th
     assert scores.total.tolist() == [3.0, 0, 0, 0, 0, 0, 3.0, 0, 3.0] and again.total.tolist() == [4.0]
     assert scores.info == {"reward/errors": 6, "reward/errors/moody": 6} and scores.keep.all()
     assert 1.0 <= took < 8.0, took  # the 60 s sleep was cut at 1 s (plus a restart or two)
-    assert rewards.process.proc is None and first  # closed on leaving the block
+    assert all(p.proc is None for p in rewards.process.procs) and first  # closed on leaving the block
+
+
+def test_a_batch_is_scored_by_the_workers_side_by_side_and_the_verifier_by_them_too():
+    from elasticrl.rewards.sources import RewardSources
+    from elasticrl.spec import load_spec
+
+    spec = load_spec({"algorithm": "grpo", "data": {"train": "tests/rewards/misbehaving.py"},  # 'auto' is then math
+                      "rewards": {"functions": [{"path": "tests.rewards.misbehaving:pid"}], "workers": 3}})
+    assert spec.rewards.verifier == "math"
+    with RewardSources(spec) as rewards:
+        pids = {p.proc.pid for p in rewards.process.procs}
+        scores = rewards(["p"] * 6, ["so \\boxed{1/2}", "0.5", "$\\frac{2}{4}$", "1/3", "no", "12"], ["0.5"] * 5 + [None])
+    # rows 0-1, 2-3 and 4-5 went to the three processes, in order; the verifier (math) judged the same rows
+    got = [int(v) for v in scores.total.tolist()]
+    assert len(pids) == 3 and set(got) == pids and got[0::2] == got[1::2]
+    assert scores.verified == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("prompt, cause", [

@@ -9,9 +9,17 @@ from tests.conftest import EXAMPLES, run_cli
 
 
 def test_defaults_are_valid():
+    import dataclasses
+
     spec = load_spec({})
-    assert spec == JobSpec()
+    # the loader resolves rewards.verifier 'auto': the integer matcher on the embedded data, math on a user's
+    assert JobSpec().rewards.verifier == "auto" and spec.rewards.verifier == "integer"
+    assert spec == dataclasses.replace(JobSpec(), rewards=dataclasses.replace(JobSpec().rewards, verifier="integer"))
     assert spec.train.micro_batch_size == 16 and spec.algorithm == "sft"
+    assert load_spec({"data": {"train": "pyproject.toml"}}).rewards.verifier == "math"
+    assert load_spec({"data": {"train": "pyproject.toml"}, "rewards": {"verifier": "exact"}}).rewards.verifier == "exact"
+    with pytest.raises(SpecError, match=r"rewards.verifier: 'maths' is neither a verifier \(integer, math"):
+        load_spec({"rewards": {"verifier": "maths"}})
 
 
 def test_example_loads():
@@ -88,7 +96,7 @@ BAD = [
     ({"train": {"warmup_ratio": 1.5}}, [], "train.warmup_ratio: expected a number in [0, 1], got 1.5"),
     ({"world": {"operators": "+/"}}, [], "world.operators: expected a non-empty subset of '+-*', got '+/'"),
     ({"model": {"path": "/nonexistent/model"}}, [], "model.path: /nonexistent/model is not a folder"),
-    ({"data": {"train": "/nonexistent.jsonl"}}, [], "data.train: file /nonexistent.jsonl not found"),
+    ({"data": {"train": "/nonexistent.jsonl"}}, [], "data.train: /nonexistent.jsonl not found; give a data file"),
     ({}, ["train.lr"], "--set 'train.lr': expected FIELD.PATH=VALUE"),
     ({"train": {"zero_stage": 2}}, ["train.zero_stage.x=1"], "train.zero_stage: --set 'train.zero_stage.x=1': this field is not a section"),
 ]

@@ -1,0 +1,63 @@
+"""`elasticrl doctor`: passes on this machine with the tiny job, and fails with the fix for
+each thing a user gets wrong before a long run."""
+from __future__ import annotations
+
+import json
+
+from tests.conftest import EXAMPLES, run_cli
+
+
+def _lines(out: str) -> dict[str, tuple[str, str]]:
+    """check -> (status, detail) from the report."""
+    found = {}
+    for line in out.splitlines():
+        status, _, rest = line.partition("  ")
+        check, _, detail = rest.strip().partition("  ")
+        found[check.strip()] = (status.strip(), detail.strip())
+    return found
+
+
+def test_doctor_passes_the_tiny_job_here(tmp_path):
+    res = run_cli("doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--output", str(tmp_path / "run"))
+    found = _lines(res.stdout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert set(found) == {"packages", "platform", "collective", "ports", "model", "data", "output", "shared memory",
+                          "memory fit"}
+    assert all(status in ("ok", "warn") for status, _ in found.values()), res.stdout
+    assert found["collective"] == ("ok", "gloo all-reduce between two processes: 1 + 2 = 3")
+    assert not (tmp_path / "run").exists()  # checking the output folder makes nothing
+
+
+def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
+    import pandas as pd
+
+    big = tmp_path / "big"  # a 70B config: its weights cannot fit this machine's /dev/shm
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80,
+                                                 "num_attention_heads": 64, "num_key_value_heads": 8,
+                                                 "intermediate_size": 28672, "vocab_size": 128256}))
+    pd.DataFrame([{"prompt": "1+1="}]).to_parquet(tmp_path / "no_answer.parquet")
+    (tmp_path / "a_file").write_text("")
+    res = run_cli("doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={big}",
+                  "--set", f"data.train={tmp_path / 'no_answer.parquet'}", "--output", str(tmp_path / "a_file" / "run"))
+    found = _lines(res.stdout)
+    assert res.returncode == 1 and res.stderr.strip().startswith("error: 5 check(s) failed")
+    assert found["model"][0] == "fail" and "has no *.safetensors weights" in found["model"][1]
+    assert found["data"] == ("fail", f"data.train: {tmp_path / 'no_answer.parquet'}: no field 'answer'; set data.*_key "
+                                     "in the spec to the names your data uses (it has ['prompt'])")
+    assert found["output"] == ("fail", f"--output {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file; "
+                                       "fix: give a folder")
+    assert found["shared memory"][0] == "fail" and "fix: enlarge it" in found["shared memory"][1]
+    assert found["memory fit"][0] == "fail"
+
+    # /proc takes no files, even from root
+    res = run_cli("doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={tmp_path / 'missing'}",
+                  "--output", "/proc/elasticrl-run")
+    found = _lines(res.stdout)
+    assert found["output"][0] == "fail" and found["output"][1].startswith("--output /proc/elasticrl-run: /proc is not "
+                                                                         "writable")
+    assert res.returncode == 1 and found["model"] == (
+        "fail", f"model.path: {tmp_path / 'missing'} has no config.json; fix: point model.path at a Hugging Face model "
+                "folder (save_pretrained's output, or a hub snapshot)")
+    assert found["shared memory"][0] == "warn"  # what depends on the model's size is not guessed
+
