@@ -3,6 +3,7 @@ lives in the package (``driver.run_spec`` runs a job, ``launch.submit`` launches
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,13 @@ def run(
     from elasticrl.driver import run_spec
 
     code = run_spec(spec, output, set_ or [])
+    if code in (130, 143):
+        # Interrupted or terminated: the run has shut its Ray down and swept what it started.
+        # Python's own finalisation is skipped: with Ray stopped mid-start, its C++ threads
+        # crashed it (SIGSEGV after "error: interrupted") in 1 of ~10 interrupts here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         raise typer.Exit(code)
 

@@ -81,6 +81,13 @@ def reinforce_pp_baseline(*, rewards_b, token_rewards_bt, mask_bt, group_size, g
     return returns, returns
 
 
+def overlong_penalty(lengths_b: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to ``max_len - buffer`` tokens, then falling
+    linearly to ``-penalty`` at ``max_len`` (and staying there beyond)."""
+    over = (lengths_b.float() - (max_len - buffer)).clamp(min=0)
+    return -penalty * (over / buffer).clamp(max=1)
+
+
 def varying_groups(rewards_b: torch.Tensor, group_size: int) -> torch.Tensor:
     """Indices of the responses whose prompt's group has rewards that vary (DAPO's dynamic
     sampling drops the others: their group-relative advantages are all 0)."""

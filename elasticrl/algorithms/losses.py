@@ -39,16 +39,23 @@ def aggregate(loss_bt, mask_bt, aggregation: str = "token_mean", **kwargs):
 
 
 def policy_loss(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, *, clip_low=0.2, clip_high=0.2,
-                dual_clip=None, token_weights_bt=None, aggregation="token_mean", **agg_kwargs):
+                dual_clip=None, token_weights_bt=None, ratio_level="token", aggregation="token_mean", **agg_kwargs):
     """Clipped surrogate loss.
 
     ratio = exp(logp - logp_old); loss_t = -min(ratio A, clip(ratio, 1-clip_low, 1+clip_high) A).
     ``clip_high > clip_low`` is DAPO's clip-higher. With ``dual_clip = c > 1``, for A < 0 the
     loss is also capped at -c A (the ratio cannot push it further). ``token_weights_bt``
     (no gradient) scales each token, e.g. truncated importance weights of off-policy samples.
+    ``ratio_level='sequence'`` is GSPO's ratio: every token of a response gets the response's
+    exp(mean over its tokens of (logp - logp_old)), the geometric mean of its token ratios,
+    and is clipped as one (GSPO pairs it with seq_mean_token_mean and much smaller clips).
     Returns (loss, stats).
     """
-    ratio = torch.exp(logprobs_bt - old_logprobs_bt)
+    log_ratio = logprobs_bt - old_logprobs_bt
+    if ratio_level == "sequence":
+        per_seq = (log_ratio * mask_bt).sum(1, keepdim=True) / mask_bt.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = per_seq.expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
     surr1 = ratio * advantages_bt
     surr2 = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages_bt
     loss_bt = -torch.min(surr1, surr2)

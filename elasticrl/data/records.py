@@ -37,6 +37,9 @@ class Records(Sequence):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return Records(self.dataset.select(range(len(self))[i]), self.source)
@@ -236,7 +239,8 @@ def tokenize_sft(tokenizer, prompt: str | list[dict], response: str | None, appl
     if isinstance(prompt, list) and response is None:
         ids, trained = _conversation(tokenizer, prompt)
     else:
-        prompt_ids = tokenizer(format_prompt(tokenizer, prompt, apply_chat_template), add_special_tokens=False)["input_ids"]
+        text = format_prompt(tokenizer, prompt, apply_chat_template)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids, trained = prompt_ids + response_ids, [False] * len(prompt_ids) + [True] * len(response_ids)
     return ids[:max_length], trained[:max_length]

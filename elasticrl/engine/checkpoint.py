@@ -36,7 +36,7 @@ MAY_CHANGE = ("train.max_steps", "train.num_epochs", "rl.num_steps", "rounds.num
               "train.offload_params", "train.comm_timeout_s", "critic.num_ranks", "model.gradient_checkpointing",
               "rollout.num_engines", "rollout.tp_size", "rollout.cpus_per_engine", "rollout.kv_cache_gib",
               "rollout.gpu_memory_utilization", "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep",
-              "rollout.max_restarts", "rollout.hang_factor", "fault.")
+              "rollout.max_restarts", "rollout.hang_factor", "rewards.workers", "fault.")
 
 
 def _check_roles(folder: Path) -> None:

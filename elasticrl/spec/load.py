@@ -301,8 +301,9 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     for name in ("train", "eval"):
         p = getattr(spec.data, name)
         if p is not None and not p.startswith("hf://") and not Path(p).exists():
-            raise SpecError(f"data.{name}", f"{p} not found; give a data file (JSON lines, JSON, parquet, CSV), a "
-                                            "datasets.save_to_disk folder, hf://ORG/NAME, or null for the embedded data")
+            raise SpecError(f"data.{name}", f"{p} not found; give a data file (JSON lines, JSON, parquet, CSV), "
+                                            "a datasets.save_to_disk folder, hf://ORG/NAME, or null for the embedded "
+                                            "data")
 
 
 def _check_rl(spec: JobSpec) -> None:
@@ -317,6 +318,13 @@ def _check_rl(spec: JobSpec) -> None:
                                             "engines to sleep then; use one or the other")
     if rl.temperature <= 0:
         raise SpecError("rl.temperature", f"RL learns from sampled rollouts: expected a number > 0, got {rl.temperature}")
+    if rl.dynamic_sampling_max_draws > 1 and rl.async_rollout:
+        raise SpecError("rl.dynamic_sampling_max_draws", "refills draw prompts while the step is scored, but "
+                                                          "rl.async_rollout has drawn the next steps' already; use one")
+    if rl.overlong_buffer > rl.max_new_tokens:
+        raise SpecError("rl.overlong_buffer", f"{rl.overlong_buffer} is more than rl.max_new_tokens "
+                                              f"({rl.max_new_tokens}): the punishment starts that many tokens before "
+                                              "the limit")
     if rl.min_tokens > rl.max_new_tokens:
         raise SpecError("rl.min_tokens", f"{rl.min_tokens} is more than rl.max_new_tokens ({rl.max_new_tokens}); "
                                          "lower it or raise rl.max_new_tokens")

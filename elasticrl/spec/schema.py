@@ -188,6 +188,20 @@ class RLSpec:
     ptx_coef: float = doc("Weight of a pretraining (SFT) loss term on the world's SFT data (PPO-ptx).", 0.0, min=0)
     freeze_actor_steps: int = doc("Steps during which only the critic learns (PPO warm-up trick).", 0, min=0)
     dynamic_sampling: bool = doc("Drop prompt groups whose rewards do not vary (no learning signal).", False)
+    dynamic_sampling_max_draws: int = doc(
+        "With rl.dynamic_sampling: while a step holds fewer than rl.prompts_per_step groups whose rewards vary, "
+        "draw rl.prompts_per_step more prompts, up to this many draws in all (DAPO's refill; rl/prompts_drawn "
+        "counts them); 1 never refills, the batch shrinks to the groups kept.", 1, min=1)
+    importance_ratio: Literal["token", "sequence"] = doc(
+        "The PPO ratio per token, or per response ('sequence': GSPO's geometric mean of its token ratios, "
+        "clipped as one; use it with seq_mean_token_mean and clips near 3e-4/4e-4).", "token")
+    overlong_filter: bool = doc("DAPO's overlong filtering: a response cut at rl.max_new_tokens (no end of text) "
+                                "leaves the loss; its reward still counts in its group's baseline.", False)
+    overlong_buffer: int = doc("DAPO's soft overlong punishment: over the last N tokens before rl.max_new_tokens "
+                               "the reward falls linearly, to -rl.overlong_penalty at the limit; 0 disables.", 0,
+                               min=0)
+    overlong_penalty: float = doc("The soft overlong punishment at rl.max_new_tokens (see rl.overlong_buffer).", 1.0,
+                                  min=0)
     async_rollout: bool = doc("Overlap the rollout of step t+1 with the training of step t.", False)
     old_logprobs: Literal["auto", "forward"] = doc(
         "The policy's log-probs of the rollouts before the update (the PPO ratio's denominator). 'auto': when "

@@ -70,6 +70,19 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def _wandb_key() -> bool:
+    """Whether a W&B API key is at hand: the environment's, or the one `wandb login` stored."""
+    import netrc
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai").split("//")[-1]) \
+            is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def _wandb_run(output: Path, spec: JobSpec, about: dict):
     """The run's W&B run: one per output folder (its id kept there), continued on resume."""
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -94,6 +107,10 @@ def finish_run(group, spec: JobSpec, output: Path, summary: dict, row: dict, pro
 
 
 def prepare_output(spec: JobSpec, output: Path) -> Path:
+    """The output folder with the resolved spec in it, after the checks that need no worker."""
+    if spec.log.wandb and spec.log.wandb_mode == "online" and not _wandb_key():
+        raise ValueError("log.wandb: logging to W&B online needs a key (WANDB_API_KEY, or `wandb login`); or set "
+                         "log.wandb_mode: offline and `wandb sync` later")
     output.mkdir(parents=True, exist_ok=True)
     dump_spec(spec, output / "spec.yaml")
     return output

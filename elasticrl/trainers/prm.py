@@ -147,7 +147,8 @@ class PRMWorker(RMWorker):
 
 
 def run_prm(spec: JobSpec, output: Path) -> dict:
-    return run_head_trainer(spec, output, PRMWorker, ("prm", "prm_eval"), lambda path: read_step_records(path, spec, check=True),
+    return run_head_trainer(spec, output, PRMWorker, ("prm", "prm_eval"),
+                            lambda path: read_step_records(path, spec, check=True),
                             _step_row, _evaluate, "step_accuracy")
 
 

@@ -29,7 +29,7 @@ import ray
 import torch
 
 from elasticrl import backend
-from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, varying_groups
+from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, overlong_penalty, varying_groups
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import RunningMoments, masked_whiten
 from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable, ray_session
@@ -195,6 +195,7 @@ class Run:
     progress: Progress | None = None
     moments: RunningMoments = field(default_factory=RunningMoments)
     version: int = 0                                 # weight version in the engines
+    drawn: int = 0                                   # prompts drawn so far: the data position
     pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     checkpoints: list = field(default_factory=list)  # (seconds, bytes) of each checkpoint written
@@ -234,7 +235,10 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     output = prepare_output(spec, output)
     asked = spec
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
-    check_user_files(spec, lambda path: read_records(path, prompt_answer(spec.data), check=True))
+    # the user's files, and their first prompt in the chat template, before Ray starts
+    tok = load_tokenizer(spec.model.path or world_paths(spec.world)["model"], spec.model.trust_remote_code,
+                         spec.data.chat_template)
+    check_user_files(spec, lambda path: _encode(spec, tok, read_records(path, prompt_answer(spec.data), check=True)[0]))
     # the reward functions' process starts first: one that does not import fails before Ray
     with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
@@ -247,7 +251,6 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         evals = read_records(paths["eval"], prompt_answer(spec.data))
         tok = load_tokenizer(paths["model"], spec.model.trust_remote_code, spec.data.chat_template)
         prompt_ids, eval_ids = (Encoded(records, lambda r: _encode(spec, tok, r)) for records in (prompts, evals))
-        _encode(spec, tok, prompts[0])  # a prompt the template cannot render fails here, before the roles start
         rl = spec.rl
         total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
             // spec.train.global_batch_size
@@ -294,7 +297,8 @@ def _train_run(run: Run, resume_dir: Path | None) -> dict:
     run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume_dir else None)
     summary: dict = {"transport": transport}
     if start == 0 and spec.eval.every_steps and spec.eval.enabled:
-        summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals, run.rewards.verify)}
+        summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals,
+                                                            run.rewards.verify)}
         run.metrics.write(summary["initial"])
     run.progress = Progress(spec.rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
@@ -329,6 +333,7 @@ def _resume(run: Run, folder: Path) -> int:
     started from it already); returns the step to continue from."""
     state = ckpt.read_trainer_state(folder)
     run.version = state["version"]
+    run.drawn = state.get("prompts_seen", state["step"] * run.spec.rl.prompts_per_step)
     run.moments.mean, run.moments.var, run.moments.count = state["reward_moments"]
     return state["step"]
 
@@ -354,7 +359,7 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     folder = found[-1][1] if found else None
     roles.form_trained(folder, elastic=True)
     if folder is None:
-        run.version, run.moments, start = 0, RunningMoments(), 0
+        run.version, run.moments, run.drawn, start = 0, RunningMoments(), 0, 0
     else:
         start = _resume(run, folder)
     run.metrics.close()
@@ -397,11 +402,17 @@ def rollout(run: Run, step: int) -> Step:
 
 
 def _submit(run: Run, step: int) -> None:
-    rl = run.spec.rl
-    idx = sample_indices(len(run.prompts), run.spec.seed, step * rl.prompts_per_step, rl.prompts_per_step,
-                         run.spec.data.shuffle)
+    idx = _draw(run)
     handle = run.roles.pool.submit([run.prompt_ids[i] for i in idx], sampling_params(run.spec, step))
     run.pending.append((step, idx, handle))
+
+
+def _draw(run: Run) -> list[int]:
+    """The next rl.prompts_per_step prompts of the run's sample order (their record indices)."""
+    rl = run.spec.rl
+    idx = sample_indices(len(run.prompts), run.spec.seed, run.drawn, rl.prompts_per_step, run.spec.data.shuffle)
+    run.drawn += rl.prompts_per_step
+    return idx
 
 
 def experience(run: Run, s: Step) -> None:
@@ -409,12 +420,10 @@ def experience(run: Run, s: Step) -> None:
     log-probs, the critic's values and the advantages. The model passes run side by side,
     and while the rewards are scored (dynamic sampling first picks the rows they see)."""
     with _timed(s, "experience"):
-        drawn = [run.prompt_ids[i] for i in s.indices]
-        p_ids = [drawn[r["prompt_index"]] for r in s.results]
-        s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
+        _pack(run, s)
         batch_ref = ray.put(s.batch)
         passes = None if run.spec.rl.dynamic_sampling else _start_model_passes(run, batch_ref)
-        rewards = _score(run, s, batch_ref)
+        rewards = _overlong(run, s, _score(run, s, batch_ref))
         if run.spec.rl.dynamic_sampling:
             rewards = _keep_varying_groups(run, s, rewards)
         if s.batch is not None:
@@ -422,6 +431,13 @@ def experience(run: Run, s: Step) -> None:
             if passes is None:  # dynamic sampling: the passes see the rows kept
                 passes = _start_model_passes(run, ray.put(s.batch))
             _advantages(run, s, rewards, _model_passes(run, s, rewards, passes))
+
+
+def _pack(run: Run, s: Step) -> None:
+    """``s.batch``: the step's prompts and completions as the trainers' tensors."""
+    drawn = [run.prompt_ids[i] for i in s.indices]
+    p_ids = [drawn[r["prompt_index"]] for r in s.results]
+    s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
 
 
 def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
@@ -459,21 +475,56 @@ def _drop(run: Run, s: Step, scores) -> torch.Tensor:
     return torch.where(kept, groups, means).reshape(-1)
 
 
+def _overlong(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tensor:
+    """DAPO's overlong handling: the soft punishment added to the rewards (``rl.overlong_buffer``),
+    and truncated responses (cut at rl.max_new_tokens) out of the loss (``rl.overlong_filter``)."""
+    rl = run.spec.rl
+    cut = torch.tensor([r.get("finish_reason") == "length" for r in s.results])
+    s.info["rl/truncated"] = cut.float().mean().item()
+    if rl.overlong_buffer:
+        lengths = torch.tensor([len(r["token_ids"]) for r in s.results])
+        rewards = rewards + overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+    if rl.overlong_filter:
+        s.batch["response_mask"][cut] = 0
+    return rewards
+
+
 def _keep_varying_groups(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tensor:
-    """Dynamic sampling: only prompt groups whose rewards vary, in whole groups and whole
-    mini-batches (``s.batch`` None when none is left)."""
-    rl, B = run.spec.rl, run.spec.train.global_batch_size
-    keep = varying_groups(rewards, rl.samples_per_prompt)
-    s.info["rl/kept_fraction"] = len(keep) / len(s.results)
-    usable = len(keep) // B * B
-    usable -= usable % rl.samples_per_prompt
-    keep = keep[:usable]
-    if len(keep) == 0:
+    """Dynamic sampling (DAPO): only prompt groups whose rewards vary. While fewer than
+    rl.prompts_per_step groups are kept, more prompts are drawn (the run's next ones),
+    rolled out and scored, up to rl.dynamic_sampling_max_draws draws in all; the batch is
+    then the kept groups in whole mini-batches (``s.batch`` None when none is left).
+    ``reward/mean`` and ``accuracy`` stay those of the step's first draw."""
+    rl, B, n = run.spec.rl, run.spec.train.global_batch_size, run.spec.rl.samples_per_prompt
+    want, draws, seen = rl.prompts_per_step * n, 1, len(s.results)
+    out_of_loss = s.batch["response_mask"].sum(1) == 0  # dropped or overlong rows stay out after re-packing
+    keep = varying_groups(rewards, n)
+    results, kept, off = [s.results[i] for i in keep.tolist()], [rewards[keep]], [out_of_loss[keep]]
+    while len(results) < want and draws < rl.dynamic_sampling_max_draws:
+        draws += 1
+        more = Step(s.step, _draw(run), [])
+        more.results = run.roles.pool.generate([run.prompt_ids[i] for i in more.indices],
+                                               sampling_params(run.spec, s.step))
+        s.generated += sum(len(r["token_ids"]) for r in more.results)
+        _pack(run, more)
+        extra = _overlong(run, more, _score(run, more, ray.put(more.batch)))
+        keep = varying_groups(extra, n)
+        base = len(s.indices)
+        s.indices = s.indices + more.indices
+        results += [{**more.results[i], "prompt_index": more.results[i]["prompt_index"] + base} for i in keep.tolist()]
+        kept.append(extra[keep])
+        off.append((more.batch["response_mask"].sum(1) == 0)[keep])
+        seen += len(more.results)
+    usable = min(len(results), want) // B * B
+    usable -= usable % n
+    s.info.update({"rl/kept_fraction": len(results) / seen, "rl/prompts_drawn": draws * rl.prompts_per_step})
+    s.results = results[:usable]
+    if not usable:
         s.batch = None
-        return rewards[keep]
-    s.batch = {k: v[keep] for k, v in s.batch.items()}
-    s.results = [s.results[i] for i in keep.tolist()]
-    return rewards[keep]
+        return torch.zeros(0)
+    _pack(run, s)
+    s.batch["response_mask"][torch.cat(off)[:usable]] = 0
+    return torch.cat(kept)[:usable]
 
 
 def _shape_rewards(run: Run, rewards: torch.Tensor) -> torch.Tensor:
@@ -619,7 +670,8 @@ def _trained(roles: Roles) -> dict:
 def _driver_state(run: Run, step: int) -> dict:
     """What the driver carries between steps, as a checkpoint records it (``_resume`` reads it)."""
     m = run.moments
-    return {"prompts_seen": step * run.spec.rl.prompts_per_step, "version": run.version,
+    ahead = sum(len(idx) for _, idx, _ in run.pending)  # drawn for steps after this one (async)
+    return {"prompts_seen": run.drawn - ahead, "version": run.version,
             "reward_moments": [m.mean, m.var, m.count]}
 
 

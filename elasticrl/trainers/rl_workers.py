@@ -129,7 +129,7 @@ class ActorWorker(_TrainedRole):
                     weights = torch.exp(old - mb["behaviour_logprobs"]).clamp(max=rl.tis_cap)
                 loss, pstats = policy_loss(logp, old, mb["advantages"], mask, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high, dual_clip=rl.dual_clip, token_weights_bt=weights,
-                                           aggregation=rl.loss_aggregation, **denom)
+                                           ratio_level=rl.importance_ratio, aggregation=rl.loss_aggregation, **denom)
                 total = loss
                 if rl.kl_coef > 0 and rl.kl_mode == "loss":
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, rl.loss_aggregation, **denom)

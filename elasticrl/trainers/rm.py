@@ -126,7 +126,8 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
 
 def run_rm(spec: JobSpec, output: Path) -> dict:
     return run_head_trainer(spec, output, RMWorker, ("preference", "preference_eval"),
-                            lambda path: read_records(path, pair_keys(spec), check=True), _step_row, _evaluate, "pairwise_accuracy")
+                            lambda path: read_records(path, pair_keys(spec), check=True), _step_row, _evaluate,
+                            "pairwise_accuracy")
 
 
 def _evaluate(group, spec) -> dict:

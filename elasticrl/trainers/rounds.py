@@ -74,8 +74,9 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
         rs = spec.algorithm == "rejection_sampling"
         paths = {"model": model, "train": str(world["sft" if rs else "preference"]),
                  "eval": str(world["eval" if rs else "preference_eval"]), "eval_prompts": "", "train_kind": "pairs"}
-        prompts = read_records(spec.data.train or str(world["rl_prompts"]), (spec.data.prompt_key, spec.data.answer_key))
-        evals = read_records(spec.data.eval or str(world["eval"]), (spec.data.prompt_key, spec.data.answer_key))
+        keys = (spec.data.prompt_key, spec.data.answer_key)
+        prompts = read_records(spec.data.train or str(world["rl_prompts"]), keys)
+        evals = read_records(spec.data.eval or str(world["eval"]), keys)
         worker = SFTWorker if spec.algorithm == "rejection_sampling" else PreferenceWorker
         placement = Placement(spec)
         group = placement.group("actor", worker, spec_to_dict(spec), paths, name="trainer")

@@ -57,7 +57,8 @@ class SFTWorker:
         self.engine.train()
         for part in core.split(examples):
             ids, trained = zip(*part)
-            batch = {k: v.to(core.device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id, list(trained)).items()}
+            padded = pad_batch(list(ids), self.tokenizer.pad_token_id, list(trained))
+            batch = {k: v.to(core.device) for k, v in padded.items()}
             logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             nll = -masked_sum(token_logprobs(logits, batch["labels"]), response_mask(batch["labels"]))
             nll_total += core.backward(nll, max(global_tokens, 1))

@@ -176,3 +176,33 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_vary():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5 + 1e-3])
     assert varying_groups(rewards, 2).tolist() == [2, 3, 6, 7]
     assert varying_groups(torch.zeros(6), 3).tolist() == []
+
+
+def test_gspo_sequence_ratio_is_the_geometric_mean_of_the_token_ratios_clipped_as_one():
+    # response 0: token log-ratios 0.2, -0.1, (pad) -> mean 0.05; response 1: 0.3 on one token
+    logp = torch.tensor([[0.2, -0.1, 5.0], [0.3, 0.0, 0.0]], requires_grad=True)
+    old = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, ratio_level="sequence",
+                              aggregation="seq_mean_token_mean")
+    # s0 = e^0.05 (inside the clip): loss -e^0.05 A; s1 = e^0.3 > 1.2, A < 0: max(-s A, -1.2 A) = e^0.3
+    assert loss.item() == pytest.approx((-math.exp(0.05) + math.exp(0.3)) / 2, abs=1e-6)
+    loss.backward()
+    # d/dlogp_t of -e^{mean} over response 0's two tokens: -e^0.05 / 2 each, / 2 responses; the pad: 0
+    assert logp.grad[0].tolist() == pytest.approx([-math.exp(0.05) / 4, -math.exp(0.05) / 4, 0.0], abs=1e-6)
+    assert logp.grad[1].tolist() == pytest.approx([math.exp(0.3) / 2, 0.0, 0.0], abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(0.0)  # the unclipped term was the larger loss
+    token, _ = policy_loss(logp.detach(), old, adv, mask, ratio_level="token", aggregation="seq_mean_token_mean")
+    # per token, response 0: e^0.2 > 1.2 is clipped (A > 0), e^-0.1 is not: (-1.2 - e^-0.1) / 2; response 1 as
+    # before: e^0.3. The same log-probs clip differently per token than per sequence.
+    assert token.item() == pytest.approx(((-1.2 - math.exp(-0.1)) / 2 + math.exp(0.3)) / 2, abs=1e-6)
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer():
+    from elasticrl.algorithms.advantages import overlong_penalty
+
+    # max 10 tokens, buffer 4: free up to 6, then -0.25 per token to -1 at 10
+    got = overlong_penalty(torch.tensor([3, 6, 7, 9, 10]), max_len=10, buffer=4, penalty=1.0)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0])
+    assert overlong_penalty(torch.tensor([8]), 10, 4, penalty=0.5).tolist() == pytest.approx([-0.25])

@@ -87,9 +87,9 @@ def _greedy_accuracy(model_dir, records) -> float:
     from elasticrl.models.evaluate import greedy_accuracy
     from elasticrl.models.load import load_causal_lm, load_tokenizer
 
-    correct, total = greedy_accuracy(load_causal_lm(model_dir), load_tokenizer(model_dir), records, prompt_key="prompt",
-                                     answer_key="answer", apply_chat_template=True, max_new_tokens=6, dp_rank=0,
-                                     dp_size=1, synced=False, device="cpu")
+    # the default spec's data keys and verifier (the tiny task's integer match)
+    correct, total = greedy_accuracy(load_causal_lm(model_dir), load_tokenizer(model_dir), records, load_spec({}),
+                                     max_new_tokens=6, dp_rank=0, dp_size=1, synced=False, device="cpu")
     return correct / total
 
 
@@ -100,7 +100,8 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
     summary = run_rounds(spec, tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
-    answers = {r["prompt"]: r["answer"] for r in read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
+    prompts = read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
+    answers = {r["prompt"]: r["answer"] for r in prompts}
     for rnd in (1, 2, 3):
         data = read_records(tmp_path / "run" / "rounds" / f"{rnd}.jsonl", ("prompt",))
         assert rows[rnd]["round/records"] == len(data) > 0
@@ -144,7 +145,8 @@ def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_p
     summary = run_conditional(spec, tmp_path / "run")
     folder = tmp_path / "run" / "conditional"
     train = read_records(folder / "train.jsonl", ("prompt", "response"))
-    answers = {r["prompt"]: r["answer"] for r in read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))}
+    prompts = read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
+    answers = {r["prompt"]: r["answer"] for r in prompts}
     marked = {"[quality:0] ": 0, "[quality:1] ": 0}
     for rec in train:
         tag, prompt = rec["prompt"][:12], rec["prompt"][12:]

@@ -59,7 +59,9 @@ def test_async_rollouts_stay_within_the_staleness_bound_with_a_remote_reward(ray
     assert staleness == [0, 1, 2, 2, 2], staleness
     assert summary["final"]["sync/version"] == 5
     assert _Scorer.calls == [32] * 6  # one refused, then one per step
-    assert [r["reward/errors/flaky"] for r in steps.values()] == [3, 3, 3, 3, 4]  # calls 10, 20, ... of 160
+    # flaky raises on calls 10, 20, ... of each of the 2 reward processes (rewards.workers), which score 16 of a
+    # step's 32 samples each: per step, calls 1-16 (one error each), 17-32 (two), 33-48, 49-64, 65-80
+    assert [r["reward/errors/flaky"] for r in steps.values()] == [2, 4, 2, 4, 4]
     assert all(r["reward/errors"] == r["reward/errors/flaky"] for r in steps.values())
     for row in steps.values():  # the endpoint scores exact answers: its mean is the batch accuracy
         assert row["reward/mean"] == pytest.approx(row["accuracy"], abs=1e-6)
@@ -249,3 +251,22 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
         for key in ("policy_loss", "kl_loss", "kl", "entropy", "grad_norm"):
             assert row[key] == pytest.approx(other[key], abs=1e-4), (step, key, row[key], other[key])
     assert runs["auto"][3]["kl"] > 0  # the reference is scored and the KL reported either way
+
+
+def test_dynamic_sampling_refills_the_batch_and_the_data_position_counts_every_prompt_drawn(ray_cluster, tmp_path):
+    """DAPO's dynamic sampling with refills, overlong shaping and GSPO's sequence ratio: each
+    step draws prompts until it holds rl.prompts_per_step groups whose rewards vary (at most 3
+    draws), and the checkpoint's data position is every prompt drawn, refills included."""
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + [
+        "rl.num_steps=2", "eval.every_steps=0", "eval.enabled=false", "checkpoint.every_steps=2",
+        "rl.dynamic_sampling=true", "rl.dynamic_sampling_max_draws=3", "rl.overlong_buffer=2",
+        "rl.importance_ratio=sequence", "rl.loss_aggregation=seq_mean_token_mean"])
+    run_rl(spec, tmp_path / "run")
+    steps = _steps(tmp_path / "run")
+    drawn = [steps[k]["rl/prompts_drawn"] for k in (1, 2)]
+    assert all(d in (8, 16, 24) for d in drawn), drawn
+    assert any(d > 8 for d in drawn), drawn  # the warm-started policy solves some groups whole: refills happen
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
+    assert state["prompts_seen"] == sum(drawn)
+    for k in (1, 2):  # a step that trained kept whole groups that vary
+        assert 0 < steps[k]["rl/kept_fraction"] <= 1 and "rl/truncated" in steps[k]

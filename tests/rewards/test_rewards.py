@@ -140,7 +140,8 @@ def test_a_batch_is_scored_by_the_workers_side_by_side_and_the_verifier_by_them_
     assert spec.rewards.verifier == "math"
     with RewardSources(spec) as rewards:
         pids = {p.proc.pid for p in rewards.process.procs}
-        scores = rewards(["p"] * 6, ["so \\boxed{1/2}", "0.5", "$\\frac{2}{4}$", "1/3", "no", "12"], ["0.5"] * 5 + [None])
+        completions = ["so \\boxed{1/2}", "0.5", "$\\frac{2}{4}$", "1/3", "no", "12"]
+        scores = rewards(["p"] * 6, completions, ["0.5"] * 5 + [None])
     # rows 0-1, 2-3 and 4-5 went to the three processes, in order; the verifier (math) judged the same rows
     got = [int(v) for v in scores.total.tolist()]
     assert len(pids) == 3 and set(got) == pids and got[0::2] == got[1::2]

@@ -17,7 +17,8 @@ def test_defaults_are_valid():
     assert spec == dataclasses.replace(JobSpec(), rewards=dataclasses.replace(JobSpec().rewards, verifier="integer"))
     assert spec.train.micro_batch_size == 16 and spec.algorithm == "sft"
     assert load_spec({"data": {"train": "pyproject.toml"}}).rewards.verifier == "math"
-    assert load_spec({"data": {"train": "pyproject.toml"}, "rewards": {"verifier": "exact"}}).rewards.verifier == "exact"
+    exact = load_spec({"data": {"train": "pyproject.toml"}, "rewards": {"verifier": "exact"}})
+    assert exact.rewards.verifier == "exact"
     with pytest.raises(SpecError, match=r"rewards.verifier: 'maths' is neither a verifier \(integer, math"):
         load_spec({"rewards": {"verifier": "maths"}})
 

@@ -20,3 +20,19 @@ def test_a_dropped_sample_leaves_the_loss_and_takes_its_groups_mean():
     # group 1: the kept (1, 0, 1) have mean 2/3, the dropped one takes it; group 2: all dropped, 0
     assert torch.allclose(out, torch.tensor([1.0, 0.0, 2 / 3, 1.0, 0.0, 0.0, 0.0, 0.0]))
     assert mask.sum(1).tolist() == [3, 3, 0, 3, 0, 0, 0, 0]
+
+
+def test_overlong_responses_are_punished_softly_and_filtered_from_the_loss():
+    from elasticrl.trainers.rl import _overlong
+
+    spec = load_spec({"algorithm": "grpo", "rl": {"samples_per_prompt": 2, "max_new_tokens": 8,
+                                                  "overlong_buffer": 4, "overlong_filter": True}})
+    results = [{"token_ids": [1] * n, "finish_reason": why} for n, why in ((3, "stop"), (6, "stop"), (8, "length"),
+                                                                           (8, "stop"))]
+    mask = torch.ones(4, 8, dtype=torch.long)
+    s = Step(step=0, indices=[0, 1], results=results, batch={"response_mask": mask})
+    out = _overlong(SimpleNamespace(spec=spec), s, torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    # free up to 4 tokens: 3 -> 0, 6 -> -0.5, 8 -> -1 (cut or not)
+    assert out.tolist() == [1.0, 0.5, 0.0, -1.0]
+    # only the response cut at the limit (finish_reason 'length') leaves the loss
+    assert mask.sum(1).tolist() == [8, 8, 0, 8] and s.info["rl/truncated"] == 0.25
