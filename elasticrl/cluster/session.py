@@ -55,6 +55,23 @@ def _terminate(signum, frame):
 
 
 @contextlib.contextmanager
+def _interrupt_after(main: bool):
+    """Ctrl-C inside the block is held until it ends, then raised: an interrupt that lands
+    inside ``ray.init`` can leave Ray half started, and its shutdown then hangs."""
+    if not main:
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
     """A private local Ray (own temp dir, no dashboard) or a connection to ``spec.address``."""
     import ray
@@ -74,11 +91,13 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
             sweep_leftovers()
             temp_dir = str(owned_dir(tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")))
             num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
-            ray.init(address="local", _temp_dir=os.path.join(temp_dir, "r"), include_dashboard=False,
-                     num_cpus=num_cpus, logging_level=logging.WARNING, log_to_driver=True,
-                     runtime_env={"env_vars": env})
+            with _interrupt_after(main):
+                ray.init(address="local", _temp_dir=os.path.join(temp_dir, "r"), include_dashboard=False,
+                         num_cpus=num_cpus, logging_level=logging.WARNING, log_to_driver=True,
+                         runtime_env={"env_vars": env})
         else:
-            ray.init(address=spec.address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+            with _interrupt_after(main):
+                ray.init(address=spec.address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
         # ray.init installs a SIGTERM handler that ends the process at once, skipping the cleanup
         previous = signal.signal(signal.SIGTERM, _terminate) if main else None
         yield
