@@ -247,9 +247,9 @@ def _params(spec) -> int:
 
 
 def _engine_bytes(spec) -> int:
-    from elasticrl.backend import has_gpu
+    from elasticrl.backend import resolve_dtype
 
-    return 2 if has_gpu() or spec.model.dtype == "bf16" else 4
+    return 2 if resolve_dtype(spec.model.dtype) == "bf16" else 4
 
 
 def _shared_memory(spec, root: Path) -> str:

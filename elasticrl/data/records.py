@@ -45,10 +45,6 @@ class Records(Sequence):
             return Records(self.dataset.select(range(len(self))[i]), self.source)
         return {k: v for k, v in self.dataset[int(i)].items() if v is not None}
 
-    @property
-    def columns(self) -> list[str]:
-        return list(self.dataset.column_names)
-
 
 def read_records(source: str | Path, required: Fields = (), check: bool = False) -> Records:
     """The rows of ``source`` (a file, a saved folder or ``hf://...``), each with the
@@ -57,18 +53,17 @@ def read_records(source: str | Path, required: Fields = (), check: bool = False)
     (the drivers check the user's files so before any worker starts; Arrow's reader would
     take text that is not UTF-8)."""
     source = str(source)
-    if check and Path(source).suffix == ".jsonl":
+    jsonl = Path(source).suffix == ".jsonl"
+    if check and jsonl:
         check_jsonl(source, required)
     try:
         dataset = _load(source)
+        problem = _missing(dataset, required)
     except ValueError as exc:
-        if Path(source).suffix == ".jsonl":
-            check_jsonl(source, required)  # names the line when it is one
-        raise ValueError(f"{source}: {exc}") from None
-    problem = _missing(dataset, required)
+        problem = str(exc)
     if problem:
-        if Path(source).suffix == ".jsonl":
-            check_jsonl(source, required)
+        if jsonl:
+            check_jsonl(source, required)  # names the line when it is one
         raise ValueError(f"{source}: {problem}")
     return Records(dataset, source)
 
@@ -139,9 +134,8 @@ def _missing(dataset, required: Fields) -> str | None:
     return None
 
 
-def check_jsonl(path: str | Path, required: Fields = ()) -> int:
-    """Check a JSON-lines file line by line (read as a stream), naming the first bad line;
-    returns the number of records."""
+def check_jsonl(path: str | Path, required: Fields = ()) -> None:
+    """Check a JSON-lines file line by line (read as a stream), naming the first bad line."""
     count = 0
     try:
         fh = open(path, "rb")
@@ -171,7 +165,6 @@ def check_jsonl(path: str | Path, required: Fields = ()) -> int:
             count += 1
     if not count:
         raise ValueError(f"{path}: no records")
-    return count
 
 
 def prompt_of(record: dict, data) -> str | list[dict]:

@@ -98,7 +98,7 @@ class RewardSources:
         total[~keep] = 0.0
         if self.policy == "drop_sample":
             info["reward/dropped"] = int((~keep).sum())
-        return Scores(total, keep, info, verified if isinstance(verified, list) else [verified] * n)
+        return Scores(total, keep, info, verified)
 
     def verify(self, prompts: list[str], completions: list[str], answers: list) -> list[float | str]:
         """The job's verifier on each sample: its score, or the error it ended in (a sample

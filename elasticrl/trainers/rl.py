@@ -249,7 +249,6 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         paths = resolve_rl_paths(spec)
         prompts = read_records(paths["prompts"], prompt_answer(spec.data))
         evals = read_records(paths["eval"], prompt_answer(spec.data))
-        tok = load_tokenizer(paths["model"], spec.model.trust_remote_code, spec.data.chat_template)
         prompt_ids, eval_ids = (Encoded(records, lambda r: _encode(spec, tok, r)) for records in (prompts, evals))
         rl = spec.rl
         total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
