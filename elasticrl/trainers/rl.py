@@ -235,10 +235,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     output = prepare_output(spec, output)
     asked = spec
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
-    # the user's files, and their first prompt in the chat template, before Ray starts
-    tok = load_tokenizer(spec.model.path or world_paths(spec.world)["model"], spec.model.trust_remote_code,
-                         spec.data.chat_template)
-    check_user_files(spec, lambda path: _encode(spec, tok, read_records(path, prompt_answer(spec.data), check=True)[0]))
+    check_user_files(spec, lambda path: _check_prompts(spec, path))
     # the reward functions' process starts first: one that does not import fails before Ray
     with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
@@ -249,6 +246,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         paths = resolve_rl_paths(spec)
         prompts = read_records(paths["prompts"], prompt_answer(spec.data))
         evals = read_records(paths["eval"], prompt_answer(spec.data))
+        tok = load_tokenizer(paths["model"], spec.model.trust_remote_code, spec.data.chat_template)
         prompt_ids, eval_ids = (Encoded(records, lambda r: _encode(spec, tok, r)) for records in (prompts, evals))
         rl = spec.rl
         total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
@@ -279,6 +277,19 @@ class Encoded:
 
     def __getitem__(self, i: int) -> list[int]:
         return self.encode(self.records[i])
+
+
+def _check_prompts(spec: JobSpec, path: str) -> None:
+    """A user's prompts file, and its first prompt in the chat template, before Ray starts
+    (with the embedded model, its tokenizer is built, not the whole world)."""
+    from elasticrl.world.tokenizer import build_tokenizer
+
+    if spec.model.path is None:
+        tok = build_tokenizer()
+        tok.chat_template = spec.data.chat_template or tok.chat_template
+    else:
+        tok = load_tokenizer(spec.model.path, spec.model.trust_remote_code, spec.data.chat_template)
+    _encode(spec, tok, read_records(path, prompt_answer(spec.data), check=True)[0])
 
 
 def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
