@@ -1,10 +1,14 @@
-"""Rollout throughput: vLLM (its CPU build here) against transformers ``generate``.
+"""Rollout throughput: vLLM (its CPU build here) against transformers ``generate``, or
+(``--against vllm``) elasticrl's rollout engine against bare vLLM.
 
 Same model (the embedded 20M-parameter Llama unless --model), same prompts, same sampling
-(temperature 1, fixed length: eos ignored), same thread count, one process, one run.
+(temperature 1, fixed length: eos ignored), same thread count, one run. With ``--against
+vllm`` both sides get the engine arguments elasticrl uses (``backend.rollout_kwargs``) and
+the same per-prompt seeds; elasticrl's side is a one-engine ``RolloutPool`` (a Ray actor that
+also returns each token's log-prob), bare vLLM runs in this process; the two alternate.
 Prints one JSON line per measurement; the last line holds the headline ratios.
 
-  .venv/bin/python benchmarks/rollout.py [--threads 2] [--prompts 64] [--new-tokens 64]
+  .venv/bin/python benchmarks/rollout.py [--against hf|vllm] [--threads 2] [--prompts 64] [--new-tokens 64]
 """
 from __future__ import annotations
 
@@ -22,10 +26,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--samples", default="1,4", help="values of n (samples per prompt) to measure")
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    ap.add_argument("--against", default="hf", choices=("hf", "vllm"))
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS=str(args.threads), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind",
                       VLLM_LOGGING_LEVEL="WARNING")
+    if args.against == "vllm":
+        return against_vllm(args)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -79,6 +86,62 @@ def main() -> None:
             headline[f"{mode}_tok_s_n{n}"] = round(rows[(mode, n)]["tokens_per_s"], 1)
             headline[f"{mode}_vs_hf_n{n}"] = round(rows[(mode, n)]["tokens_per_s"] / hf_rate, 2)
     print(json.dumps(headline))
+
+
+def against_vllm(args) -> None:
+    from vllm import LLM, SamplingParams
+
+    from elasticrl import backend
+    from elasticrl.cluster.session import ray_session
+    from elasticrl.models import load_tokenizer
+    from elasticrl.rollout.pool import RolloutPool, prompt_seed
+    from elasticrl.spec import load_spec
+    from elasticrl.spec.schema import RaySpec
+    from elasticrl.trainers.sft import resolve_paths
+
+    spec = load_spec({}, ["world.model_size=20m", "rollout.max_model_len=256", "rollout.cpu_mode=packed",
+                          f"rollout.cpus_per_engine={args.threads}", "rollout.gpu_memory_utilization=0.4"])
+    model = args.model or resolve_paths(spec)["model"]
+    tok = load_tokenizer(model)
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"{i % 50}+{(7 * i) % 50}="}], tokenize=False,
+                                     add_generation_prompt=True) for i in range(args.prompts)]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ns = [int(n) for n in args.samples.split(",")]
+    rows: dict[tuple, list] = {}
+    dtype = backend.resolve_dtype(spec.model.dtype)
+    with ray_session(RaySpec(num_cpus=8)):
+        pool = RolloutPool(model, spec.rollout, dtype, seed=0)
+        llm = LLM(model=model, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=0,
+                  max_model_len=spec.rollout.max_model_len, load_format="safetensors",
+                  **backend.rollout_kwargs(spec.rollout.gpu_memory_utilization, spec.rollout.max_model_len))
+        for _ in range(args.repeats):  # the two sides alternate
+            for n in ns:
+                sampling = {"n": n, "temperature": 1.0, "max_tokens": args.new_tokens, "ignore_eos": True}
+                t0 = time.time()
+                out = pool.generate(prompts, {**sampling, "seed": 0})
+                rows.setdefault(("elasticrl", n), []).append(_rate(sum(len(c["token_ids"]) for c in out), t0))
+                params = [SamplingParams(**sampling, seed=prompt_seed(0, j, n), logprobs=0)
+                          for j in range(len(prompts))]
+                t0 = time.time()
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                rows.setdefault(("vllm", n), []).append(_rate(tokens, t0))
+        pool.shutdown()
+    headline = {"benchmark": "rollout_vs_vllm", "prompts": args.prompts, "new_tokens": args.new_tokens,
+                "device": "gpu" if backend.has_gpu() else "cpu"}
+    for (engine, n), runs in rows.items():
+        r = _median(runs)
+        print(json.dumps({"engine": engine, "n": n, **r}))
+        headline[f"{engine}_tok_s_n{n}"] = round(r["tokens_per_s"], 1)
+    for n in ns:
+        ours, bare = headline[f"elasticrl_tok_s_n{n}"], headline[f"vllm_tok_s_n{n}"]
+        headline[f"elasticrl_over_vllm_n{n}"] = round(ours / bare, 3)
+    print(json.dumps(headline))
+
+
+def _rate(tokens: int, t0: float) -> dict:
+    seconds = time.time() - t0
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def _median(runs: list[dict]) -> dict:

@@ -1,12 +1,20 @@
-"""Weight-sync bandwidth: every transport, by bucket size, next to this machine's memcpy.
+"""Weight-sync bandwidth next to this machine's memcpy (or the GPU's device copy), two suites.
 
-A trainer rank (DeepSpeed, fp32) pushes its full weights into one vLLM engine through each
-transport; figures are medians of --repeats syncs. memcpy is a warm tensor copy of the same
-number of bytes in the trainer's process, measured in the same run. Engines run in both CPU
-modes: 'dense' (a sync ends in copies) and 'packed' (every changed linear is repacked by
-oneDNN after the copy). Prints JSON lines; the last one holds the headline figures.
+``--suite transports``: a trainer rank (DeepSpeed, fp32) pushes its full weights into one vLLM
+engine through each transport, by bucket size, with engines in both CPU modes: 'dense' (a
+sync ends in copies) and 'packed' (every changed linear is repacked by oneDNN after the copy).
 
-  .venv/bin/python benchmarks/weight_sync.py [--size 50m] [--buckets 16,64,256] [--repeats 3]
+``--suite senders``: sliced against gathered (rank 0 gathers each module and sends it whole)
+for two 2-rank trainers: AutoTP 2 into one engine (each rank sends its own slices), and two
+data-parallel replicas into two engines (each replica feeds one engine at once). The two
+layouts alternate, --repeats rounds, so both see the same machine; each row gives the bytes
+every trainer rank moved.
+
+Figures are medians of --repeats syncs after a first that allocates. memcpy is a warm copy of
+the same number of bytes in a trainer process, measured in the same run. Prints JSON lines;
+the last holds the headline figures.
+
+  .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders] [--size 50m] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -19,27 +27,24 @@ import time
 
 
 def _memcpy(_worker, nbytes: int, repeats: int) -> float:
-    import torch
+    from elasticrl import backend
 
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+    return backend.device_copy_gbps(nbytes, repeats)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", default="transports", choices=("transports", "senders"))
     ap.add_argument("--size", default="50m", help="embedded world model preset")
-    ap.add_argument("--buckets", default="16,64,256", help="bucket sizes in MiB")
-    ap.add_argument("--transports", default="shm,shm_staged,broadcast,files")
-    ap.add_argument("--modes", default="dense,packed", help="CPU engine modes to measure")
+    ap.add_argument("--buckets", default="16,64,256", help="bucket sizes in MiB (transports)")
+    ap.add_argument("--transports", default=None, help="default: shm,shm_staged,broadcast,files for the "
+                    "transports suite, shm,broadcast for senders")
+    ap.add_argument("--modes", default="dense,packed", help="CPU engine modes to measure (transports)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.suite == "senders":
+        return senders(args)
+    args.transports = args.transports or "shm,shm_staged,broadcast,files"
 
     from elasticrl.cluster import RoleGroup
     from elasticrl.cluster.session import ray_session
@@ -94,6 +99,59 @@ def main() -> None:
                 headline[f"{mode}/{transport}_ratio"] = top["ratio_to_memcpy"]
     print(json.dumps(headline))
     os.system(f"rm -rf {files_dir}")
+
+
+def senders(args) -> None:
+    from elasticrl.cluster import RoleGroup
+    from elasticrl.cluster.session import ray_session
+    from elasticrl.rollout.pool import RolloutPool
+    from elasticrl.spec import load_spec, spec_to_dict
+    from elasticrl.spec.schema import RaySpec
+    from elasticrl.trainers.sft import SFTWorker, resolve_paths
+
+    base = [f"world.model_size={args.size}", "model.dtype=fp32", "train.num_ranks=2", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "rollout.max_model_len=64", "rollout.cpu_mode=dense"]
+    trainers = {"autotp2_to_1_engine": (["train.tp_size=2", "train.zero_stage=1"], 1),
+                "2_replicas_to_2_engines": (["train.zero_stage=2"], 2)}
+    headline = {"benchmark": "weight_sync_senders"}
+    with ray_session(RaySpec(num_cpus=8)):
+        for kind, (extra, num_engines) in trainers.items():
+            spec = load_spec({}, base + extra + [f"rollout.num_engines={num_engines}"])
+            paths = resolve_paths(spec)
+            pool = RolloutPool(paths["model"], spec.rollout, "fp32", seed=0)
+            trainer = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), paths)
+            trainer.setup(10)
+            full = trainer.call("__ray_call__", lambda w: sum(
+                p.numel() * p.element_size() for p in w.engine.module.parameters()))
+            memcpy = trainer.call("__ray_call__", lambda w, n=max(full): _memcpy(w, n, 7))[0]
+            rates: dict[tuple, list] = {}
+            moved: dict[tuple, list] = {}
+            version = 0
+            for _ in range(args.repeats):  # the layouts alternate: both see the same machine
+                for transport in (args.transports or "shm,broadcast").split(","):
+                    for layout in ("gathered", "sliced"):
+                        trainer.call("attach_rollout", pool.engines, pool.infos, transport, 64, None, layout)
+                        for _ in range(2):  # the first allocates buffers and maps arenas: not counted
+                            version += 1
+                            stats = trainer.call("sync_weights", version)[0]
+                        trainer.call("detach_rollout")
+                        assert stats["sync/layout"] == layout
+                        rates.setdefault((transport, layout), []).append(stats["sync/gbps"])
+                        moved[(transport, layout)] = stats["sync/sent_gbytes_by_rank"]
+            for (transport, layout), r in rates.items():
+                gbps = statistics.median(r)
+                print(json.dumps({"measure": "sync", "trainer": kind, "transport": transport, "layout": layout,
+                                  "gbps": round(gbps, 3), "ratio_to_memcpy": round(gbps / memcpy, 3),
+                                  "gbytes_by_rank": [round(g, 4) for g in moved[(transport, layout)]],
+                                  "rank_bytes_held": [round(f / 1e9, 4) for f in full]}), flush=True)
+            for transport in (args.transports or "shm,broadcast").split(","):
+                ratio = statistics.median(rates[(transport, "sliced")]) / statistics.median(
+                    rates[(transport, "gathered")])
+                headline[f"{kind}/{transport}_sliced_over_gathered"] = round(ratio, 2)
+            headline[f"{kind}/memcpy_gbps"] = round(memcpy, 3)
+            trainer.shutdown()
+            pool.shutdown()
+    print(json.dumps(headline))
 
 
 if __name__ == "__main__":

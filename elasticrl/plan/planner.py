@@ -265,7 +265,7 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
     mem: dict[str, dict] = {}
     for role, head in job.roles.items():
         if role in ("actor", "critic"):
-            mem[role] = trained_role(a, head, ranks[role], cfg, job.seq)
+            mem[role] = trained_role(a, head, ranks[role], cfg, job.seq, offload_idle)
         elif role in ("reference", "reward"):
             mem[role] = frozen_role(a, head, ranks[role], cfg.zero_stage == 3, offload_idle, cfg.micro_batch,
                                     job.seq)

@@ -36,6 +36,8 @@ class RolloutEngine:
         self.cpu_mode = backend.cpu_rollout_mode(cpu_mode)
         self.cpu_sleep = cpu_sleep
         self.gate = SyncGate()
+        self._setup_lock = threading.Lock()  # the actor serves calls in threads (max_concurrency)
+        self.asleep: set[str] = set()  # on a GPU: what of vLLM's memory sleeps
         self.incarnation = 0  # bumps at every (re)start: senders re-attach to new buffers
         self.llm = None
         self._start()
@@ -80,6 +82,7 @@ class RolloutEngine:
             raise ValueError(f"sampling: unknown setting(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}")
         params = [SamplingParams(**sampling, seed=None if seeds is None else seeds[i], logprobs=0)
                   for i in range(len(prompts))]
+        self.wake()  # the KV cache, when the hybrid loop woke only the weights for a sync
         outs, version = self.gate.run(lambda: self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
         results = []
@@ -95,6 +98,7 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        self.wake()
         outs, version = self.gate.run(lambda: self.llm.generate(
             [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False))
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
@@ -115,9 +119,24 @@ class RolloutEngine:
     def load_shm(self, path: str, nbytes: int, metas: list) -> int:
         return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas))[0]
 
+    def copy_plans(self) -> list[dict]:
+        """Per worker, in tensor-parallel rank order: where each checkpoint tensor lands in it.
+        Every trainer rank asks at once: the first records them, the others get them."""
+        with self._setup_lock:
+            return self.llm.collective_rpc("erl_copy_plans", args=(self.model_path,))
+
     def share_weights(self) -> list[dict]:
-        """Per worker: its shared-memory arena and the copy plans into it (same node only)."""
-        return self.llm.collective_rpc("erl_share_weights", args=(self.model_path,))
+        """Per worker: its parameters in one buffer a process on this node can map (shm or ipc)."""
+        with self._setup_lock:
+            return self.llm.collective_rpc("erl_share_weights")
+
+    def expect(self, schedules: dict) -> None:
+        """What each worker receives from which sender at every sliced broadcast sync."""
+        self.llm.collective_rpc("erl_expect", args=(schedules,))
+
+    def receive(self) -> int:
+        """One sliced broadcast sync: every worker takes its buckets from its senders."""
+        return sum(self.llm.collective_rpc("erl_receive"))
 
     def release_shm(self, path: str) -> None:
         self.llm.collective_rpc("erl_release_shm", args=(path,))
@@ -143,6 +162,7 @@ class RolloutEngine:
         t0 = time.time()
         if backend.has_gpu():
             self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
             return {"slept": "vllm_sleep", "seconds": time.time() - t0}
         if self.cpu_sleep == "restart":
             self._shutdown()
@@ -153,10 +173,16 @@ class RolloutEngine:
             self._warned_sleep = True
         return {"slept": "kept", "seconds": 0.0, "rss_gib": _rss_gib()}
 
-    def wake(self) -> dict:
+    def wake(self, tags: list[str] | None = None) -> dict:
+        """Wake what slept; on a GPU ``tags`` wakes a part (vLLM's "weights" or "kv_cache"): the
+        hybrid loop wakes the weights for the sync and the KV cache comes back with the next
+        rollout, so the trainer's memory and both never overlap."""
         t0 = time.time()
         if backend.has_gpu():
-            self.llm.wake_up()
+            wanted = self.asleep & set(tags or self.asleep)
+            if wanted:
+                self.llm.wake_up(tags=sorted(wanted))
+                self.asleep -= wanted
         elif self.llm is None:
             self._start()  # weights are those of model_path until the next sync
             self.gate.version = 0

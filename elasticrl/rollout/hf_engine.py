@@ -124,8 +124,8 @@ class HFRolloutEngine:
     def finish_sync(self, version: int) -> None:
         self.gate.finish(version)
 
-    def share_weights(self) -> list[dict]:
-        return [{"path": None, "nbytes": 0, "plans": {}, "unplanned": ["(transformers engine)"]}]
+    def copy_plans(self) -> list[dict]:
+        return [{"plans": {}, "unplanned": ["(transformers engine)"]}]
 
     def load_shm(self, path: str, nbytes: int, metas: list) -> int:
         return self._load(receive.from_shm(self._buffers, path, nbytes, metas))
@@ -152,7 +152,7 @@ class HFRolloutEngine:
     def sleep(self) -> dict:
         return {"slept": "kept", "seconds": 0.0}
 
-    def wake(self) -> dict:
+    def wake(self, tags: list[str] | None = None) -> dict:
         return {"seconds": 0.0}
 
     def shutdown(self) -> None:

@@ -70,29 +70,67 @@ class WeightReceiver:
         self._erl_model().load_weights(weights)
         return receive.nbytes_of(weights)
 
-    def erl_share_weights(self, model_path: str) -> dict:
-        """Move every parameter into a /dev/shm arena and record, for each checkpoint tensor,
-        the copies vLLM's ``load_weights`` makes from it (destination and source as strided
-        views, found by intercepting ``copy_`` without copying). The trainer then writes
-        straight into this worker's live parameters: one memcpy per sync, slices included."""
+    def erl_copy_plans(self, model_path: str) -> dict:
+        """For each checkpoint tensor, the copies vLLM's ``load_weights`` makes from it into this
+        worker's parameters (found by intercepting ``copy_`` without copying; ``plan.py``), so
+        a sender can write straight into the parameters: one copy per sync, slices included."""
         from elasticrl.weights.plan import record_copy_plans
 
+        if getattr(self, "_erl_plans", None) is None:
+            plans, unplanned = record_copy_plans(self._erl_model(), model_path)
+            self._erl_plans = {"plans": plans, "unplanned": unplanned, "tp_rank": self._erl_tp_rank()}
+        return self._erl_plans
+
+    def erl_share_weights(self) -> dict:
+        """Move every parameter into one buffer another process on this node can map: a
+        /dev/shm file on CPU, device memory exported over CUDA IPC on a GPU. Returns how to
+        open it and each parameter's byte offset (the copy plans' destinations)."""
+        from elasticrl import backend
+
         if getattr(self, "_erl_arena", None) is None:
-            model = self._erl_model()
-            params = [p for _, p in model.named_parameters()]
-            sizes = [shm.aligned(p.numel() * p.element_size()) for p in params]
-            path, arena = shm.create(sum(sizes), "engine")
-            offset = 0
-            for p, size in zip(params, sizes):
+            params = [p for _, p in self._erl_model().named_parameters()]
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += shm.aligned(p.numel() * p.element_size())
+            device = params[0].device
+            if device.type == "cpu":
+                path, arena = shm.create(total, "engine")
+                handle = None
+            else:
+                path, arena = None, torch.empty(total, dtype=torch.uint8, device=device)
+            for p, offset in zip(params, offsets):
                 view = shm.view(arena, offset, p.dtype, tuple(p.shape))
                 view.copy_(p.data)
                 p.data = view
-                offset += size
-            plans, unplanned = record_copy_plans(model, model_path, arena)
-            self._erl_arena = {"path": path, "nbytes": arena.numel(), "plans": plans, "unplanned": unplanned,
-                               "arena": arena}
+            if path is None:
+                handle = backend.export_device_buffer(arena)
+            self._erl_arena = {"path": path, "handle": handle, "nbytes": total, "offsets": offsets, "arena": arena}
         a = self._erl_arena
-        return {k: a[k] for k in ("path", "nbytes", "plans", "unplanned")}
+        return {k: a[k] for k in ("path", "handle", "nbytes", "offsets")}
+
+    def erl_expect(self, schedules: dict) -> None:
+        """What this worker receives at every sliced sync: (sender's group rank, bucket of
+        (piece, offset), bytes) in the order to receive them, and constant fills
+        (``WeightSender._schedules``)."""
+        from elasticrl.weights.slices import revive
+
+        rank = self._erl_tp_rank()
+        self._erl_schedule = revive(schedules[rank] if rank in schedules else schedules[str(rank)])
+
+    def erl_receive(self) -> int:
+        """Receive one sliced sync from the senders (``receive.receive_sliced``)."""
+        params = [p for _, p in self._erl_model().named_parameters()]
+        try:
+            return receive.receive_sliced(self._erl_group, params, self._erl_schedule)
+        except BaseException:
+            # close this worker's side: a sender blocked on it gets "connection closed" at once
+            # instead of waiting out the group's timeout
+            import gc
+
+            self._erl_group = None
+            gc.collect()
+            raise
 
     def erl_release_shm(self, path: str) -> None:
         self._erl_buffers.pop(path, None)
@@ -105,7 +143,7 @@ class WeightReceiver:
 
     def erl_join_group(self, addr: str, port: int, rank_offset: int, world_size: int, backend: str,
                        timeout_s: int) -> None:
-        """Join the weight group: trainer rank 0 is rank 0, engine workers follow."""
+        """Join the weight group: the sending trainer ranks come first, engine workers follow."""
         from elasticrl.weights.group import new_group
 
         rank = rank_offset + self._erl_tp_rank()
@@ -117,7 +155,8 @@ class WeightReceiver:
         return get_tensor_model_parallel_rank()
 
     def erl_load_broadcast(self, metas: list[tuple[str, str, list[int], int]], nbytes: int) -> int:
-        """Receive one bucket broadcast from rank 0 of the weight group, then load it."""
+        """Receive one bucket broadcast from rank 0 of the weight group, then load it (the
+        gathered path: a full tensor each, sliced by vLLM's loaders)."""
         weights = receive.from_broadcast(self._erl_group, metas, nbytes, next(self._erl_model().parameters()).device)
         self._erl_model().load_weights(weights)
         return nbytes

@@ -133,10 +133,12 @@ class RolloutSpec:
         "vLLM's CPU build cannot sleep: 'keep' leaves the engine resident during training, "
         "'restart' shuts it down and starts it again (the next weight sync restores the weights).",
         "keep")
-    weight_sync: Literal["auto", "shm", "shm_staged", "broadcast", "files"] = doc(
-        "Transport of weights into the engines: 'shm' writes straight into same-node engines' "
-        "parameters, 'shm_staged' goes through staging buffers, 'broadcast' is a collective per "
-        "bucket, 'files' sharded safetensors; 'auto' picks shm on one CPU node, else broadcast.", "auto")
+    weight_sync: Literal["auto", "shm", "ipc", "shm_staged", "broadcast", "files"] = doc(
+        "Transport of weights into the engines: 'shm' (CPU) and 'ipc' (CUDA IPC) write straight into "
+        "same-node engines' parameters, 'broadcast' sends buckets over a gloo/NCCL group, all three "
+        "slice to slice (each trainer rank sends its AutoTP slice, replicas feed different engines); "
+        "'shm_staged' goes through staging buffers, 'files' sharded safetensors; 'auto' picks shm on "
+        "one CPU node, ipc on one GPU node, else broadcast.", "auto")
     bucket_mb: int = doc("Bytes per weight-sync bucket, in MiB (one collective or load per bucket).", 64, min=1)
     max_restarts: int = doc("Engines the job may start again after one died or hung (elasticity L2: its "
                             "prompts go to the live engines, a replacement joins at a step boundary).", 3, min=0)
@@ -316,8 +318,10 @@ class PlacementSpec:
     colocate: Literal["none", "actor_ref", "critic_reward", "actor_ref+critic_reward", "all"] = doc(
         "Which roles share devices: actor with reference, critic with reward models, both pairs, or "
         "everything including the rollout engines (the hybrid engine).", "none")
-    offload_idle: bool = doc("Move the frozen roles' weights (reference, reward) to host memory between "
-                             "their phases (no effect on CPU).", False)
+    offload_idle: bool = doc("Move what idles to host memory between phases: the frozen roles' weights "
+                             "(reference, reward), and the actor's and critic's gradients and optimizer state "
+                             "through rollout and experience (no effect on CPU; the planner sets it when memory "
+                             "needs it).", False)
     reference_ranks: int = doc("Ranks of the reference model; 0 = as many as the actor. With "
                                "train.zero_stage 3 its weights are sharded over them.", 0, min=0)
     reward_ranks: int = doc("Ranks of each reward model; with train.zero_stage 3 its weights are sharded "

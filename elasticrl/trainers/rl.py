@@ -602,8 +602,9 @@ def _advantages(run: Run, s: Step, rewards: torch.Tensor, token_rewards: torch.T
 
 @contextlib.contextmanager
 def engines_asleep(run: Run, s: Step):
-    """``placement.colocate: all``: the engines sleep through the block and wake after it
-    (on GPUs their memory goes to the trainers; see rollout.engine for vLLM's CPU build)."""
+    """``placement.colocate: all``: the engines sleep through the block and their weights wake
+    after it, for the sync; the KV cache wakes with the next rollout (on GPUs the memory goes
+    to the trainers meanwhile; see rollout.engine for vLLM's CPU build)."""
     hybrid = run.spec.placement.colocate == "all"
     if hybrid:
         with _timed(s, "train"):
@@ -613,15 +614,18 @@ def engines_asleep(run: Run, s: Step):
     finally:
         if hybrid:
             with _timed(s, "train"):
-                run.roles.pool.call("wake")
+                run.roles.pool.call("wake", ["weights"])
 
 
 def train(run: Run, s: Step) -> None:
     """The critic's update, then the actor's (after ``rl.freeze_actor_steps``)."""
     rl, roles = run.spec.rl, run.roles
+    trained = [g for g in (roles.critic, roles.actor) if g]
     with _timed(s, "train"):
         if s.batch is None:
             return
+        for group in trained:  # placement.offload_idle on GPUs: the optimizer state comes back
+            group.call("idle_states", False)
         ref = ray.put(s.batch)
         if roles.critic:
             c = roles.critic.call("train", ref, s.step)
@@ -633,6 +637,8 @@ def train(run: Run, s: Step) -> None:
                 vals = [x[key] for x in a if x.get(key) is not None]
                 if vals:
                     s.stats[key] = sum(vals) / len(vals)
+        for group in trained:  # ... and leaves the device to the engines until the next update
+            group.call("idle_states", True)
 
 
 def sync(run: Run, s: Step) -> None:

@@ -78,6 +78,20 @@ class _TrainedRole:
     def snapshot(self): return self.core.snapshot()
     def export(self, folder): self.core.export(folder)
     def attach_rollout(self, *args): return self.core.attach_rollout(*args)
+
+    def idle_states(self, on_host: bool) -> None:
+        """``placement.offload_idle`` on GPUs: gradients and optimizer state (moments and master
+        weights) to host memory after the update, back before the next; the 16-bit weights stay
+        for experience and the weight sync."""
+        if not (self.spec.placement.offload_idle and backend.has_gpu()):
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as T
+
+        if on_host:
+            self.core.engine.offload_states(include=[T.optim_states, T.hp_params, T.lp_grads,
+                                                     T.contiguous_grad_buffer], device=OffloadDeviceEnum.cpu)
+        else:
+            self.core.engine.reload_states()
     def sync_weights(self, version): return self.core.sync_weights(version)
     def detach_rollout(self): self.core.detach_rollout()
 

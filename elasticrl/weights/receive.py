@@ -27,3 +27,30 @@ def from_broadcast(group, metas: list, nbytes: int, device) -> list[tuple[str, t
 
 def nbytes_of(weights: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in weights)
+
+
+def param_view(params: list[torch.Tensor], piece) -> torch.Tensor:
+    """Where a piece (``slices.Piece``) lands in a worker's parameter."""
+    p = params[piece.param].data  # not the Parameter: writing into a leaf that requires grad is refused
+    assert _DTYPES[piece.dtype] == p.dtype, (piece.name, piece.dtype, p.dtype)
+    return p.as_strided(piece.shape, piece.dst_strides, p.storage_offset() + piece.dst_off // p.element_size())
+
+
+def piece_view(buf: torch.Tensor, offset: int, piece) -> torch.Tensor:
+    """A piece as packed in a received bucket (contiguous at ``offset``)."""
+    return shm.view(buf, offset, _DTYPES[piece.dtype], piece.shape)
+
+
+def receive_sliced(group, params: list[torch.Tensor], schedule) -> int:
+    """One sliced sync into a worker's parameters: its fills, then each bucket from its sender in
+    the schedule's order (``slices.receive_order``), each piece copied where it belongs. One
+    thread, as NCCL wants."""
+    queue, fills = schedule
+    for piece in fills:
+        param_view(params, piece).fill_(piece.fill)
+    for sender, bucket, nbytes in queue:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=params[0].device)
+        group.recv([buf], sender, 0).wait()
+        for piece, offset in bucket:
+            param_view(params, piece).copy_(piece_view(buf, offset, piece))
+    return sum(n for _, _, n in queue)

@@ -1,16 +1,27 @@
-"""Trainer -> rollout engines: full weights, bucket by bucket, versioned.
+"""Trainer -> rollout engines: the weights, versioned, slice to slice where the engines allow.
 
-Every trainer rank calls ``sync_weights`` (ZeRO-3 and AutoTP gathers are collectives);
-rank 0 sends. Transports, chosen by ``transport_for`` from where the two sides live:
+Every trainer rank calls ``sync_weights`` (ZeRO-3 gathers are collectives). Two layouts:
 
-- ``shm``: engines on rank 0's node (CPU). Each engine worker keeps its parameters in a
-  /dev/shm arena and publishes copy plans (``plan.py``); the trainer writes every tensor
-  straight into the live parameters, slices and fusions included: one memcpy per sync.
-- ``shm_staged``: the same node, through two staging buffers that the trainer fills in
-  turn while the engines load the other with vLLM's loaders (two copies; the fallback for
-  models whose loaders transform weights).
-- ``broadcast``: one collective per bucket over a group of trainer rank 0 and every engine
-  worker (gloo on CPU, NCCL on GPU); each worker loads its tensor-parallel slice.
+- **sliced** (the default for vLLM engines): every trainer rank sends only its own AutoTP slice
+  (``slices.py``), and each engine worker receives only the part of its own slice that it lacks;
+  no full tensor is assembled anywhere. Engines are shared out among the data-parallel
+  replicas (each fed by one replica's tensor-parallel ranks, bytes balanced), so different
+  ranks feed different engines at once.
+- **gathered**: each module gathered to rank 0 (ZeRO-3 partitions and AutoTP slices, one module
+  at a time), and rank 0 alone sends. For engines without copy plans (the transformers
+  fallback, loaders that transform weights) and the staged transports.
+
+Transports, chosen by ``transport_for`` from where the two sides live:
+
+- ``shm``: engines on the trainer's node (CPU). Each engine worker keeps its parameters in a
+  /dev/shm arena and publishes copy plans (``plan.py``); senders write straight into the live
+  parameters, slices and fusions included: one memcpy per sync.
+- ``ipc``: the same over CUDA IPC, for engines on the trainer's node with GPUs (colocated on the
+  trainer's own devices, where NCCL refuses two ranks on one device).
+- ``shm_staged``: the same node, through two staging buffers that rank 0 fills in turn while
+  the engines load the other with vLLM's loaders (gathered; for loaders that transform).
+- ``broadcast``: a process group of the senders and every engine worker (gloo on CPU, NCCL on
+  GPU): point-to-point buckets of pieces when sliced, one broadcast per bucket when gathered.
 - ``files``: sharded safetensors in a folder both sides see (checkpoint-style, slowest).
 
 A sync is atomic for the engines: they refuse to generate between ``begin_sync`` and
@@ -19,6 +30,7 @@ A sync is atomic for the engines: they refuse to generate between ``begin_sync``
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import time
@@ -30,23 +42,39 @@ import torch
 import torch.distributed as dist
 
 from elasticrl import backend
-from elasticrl.weights import shm
+from elasticrl.weights import shm, slices
 from elasticrl.weights.group import broadcast, new_group
-from elasticrl.weights.plan import replay
+from elasticrl.weights.plan import Arena, replay
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("shm", "shm_staged", "broadcast", "files")
+TRANSPORTS = ("shm", "ipc", "shm_staged", "broadcast", "files")
+SLICED = ("shm", "ipc", "broadcast")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_DTYPE_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
-def transport_for(requested: str, my_node: str, engine_nodes: list[str]) -> str:
+def transport_for(requested: str, one_node: bool) -> str:
+    """``one_node``: every trainer rank and every engine on one node."""
     if requested != "auto":
         return requested
-    if not backend.has_gpu() and all(n == my_node for n in engine_nodes):
-        return "shm"
+    if one_node:
+        return "ipc" if backend.has_gpu() else "shm"
     return "broadcast"
+
+
+def _modules(ds_engine):
+    """(module name, module, its own parameters) with each parameter once (a tied head is the
+    embedding's tensor: it goes under its first name)."""
+    seen = set()
+    for mod_name, module in ds_engine.module.named_modules():
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen |= {id(p) for _, p in params}
+        if params:
+            yield mod_name, module, params
+
+
+def _full_name(mod_name: str, name: str) -> str:
+    return f"{mod_name}.{name}" if mod_name else name
 
 
 def iter_full_params(ds_engine) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -60,21 +88,53 @@ def iter_full_params(ds_engine) -> Iterator[tuple[str, torch.Tensor | None]]:
     tp = ds_engine.autotp_size() > 1
     if not stage3 and not tp:
         if rank0:
-            for name, p in ds_engine.module.named_parameters():
-                yield name, p.detach()
+            for mod_name, _, params in _modules(ds_engine):
+                for name, p in params:
+                    yield _full_name(mod_name, name), p.detach()
         return
     import deepspeed
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
-    for mod_name, module in ds_engine.module.named_modules():
-        params = list(module.named_parameters(recurse=False))
-        if not params:
-            continue
+    for mod_name, module, params in _modules(ds_engine):
         tensors = [p for _, p in params]
         with deepspeed.zero.GatheredParameters(tensors, enabled=stage3), \
                 GatherReplacedLayerParams(tensors, module, enabled=tp):
             for name, p in params:
-                yield (f"{mod_name}.{name}" if mod_name else name), (p.detach() if rank0 else None)
+                yield _full_name(mod_name, name), (p.detach() if rank0 else None)
+
+
+def iter_local_params(ds_engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's AutoTP slice as a contiguous tensor) on every rank; ZeRO-3 partitions
+    are gathered one module at a time (collective), AutoTP slices never are."""
+    import deepspeed
+
+    stage3 = ds_engine.zero_optimization_stage() == 3
+    for mod_name, _, params in _modules(ds_engine):
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=stage3):
+            for name, p in params:
+                yield _full_name(mod_name, name), p.detach().contiguous()
+
+
+def trainer_layouts(ds_engine) -> dict[str, slices.Layout]:
+    """Each parameter's full shape and AutoTP cut, in the order the iterators above yield them;
+    None when AutoTP fused several projections into one parameter (no plain cut)."""
+    from elasticrl.engine.state import autotp_cuts
+
+    cuts = autotp_cuts(ds_engine)
+    layouts = {}
+    for mod_name, module, params in _modules(ds_engine):
+        for name, p in params:
+            local = list(getattr(p, "ds_shape", p.shape))
+            cut = cuts.get(id(p))
+            if cut is None:
+                layouts[_full_name(mod_name, name)] = slices.Layout(tuple(local))
+                continue
+            if cut[1] is None:
+                return None
+            sizes = tuple(int(n) for n in cut[0]._partition_sizes)
+            local[cut[1]] = sum(sizes)
+            layouts[_full_name(mod_name, name)] = slices.Layout(tuple(local), cut[1], sizes)
+    return layouts
 
 
 def max_param_bytes(ds_engine) -> int:
@@ -83,78 +143,191 @@ def max_param_bytes(ds_engine) -> int:
 
 
 class WeightSender:
-    """Held by every trainer rank; only rank 0 keeps engines and buffers."""
+    """Held by every trainer rank, with every engine; built collectively (``attach_rollout``)."""
 
-    def __init__(self, engines: list, engine_infos: list[dict], transport: str, bucket_bytes: int,
-                 timeout_s: int, files_dir: str | None = None):
+    def __init__(self, ds_engine, engines: list, engine_infos: list[dict], transport: str, bucket_bytes: int,
+                 timeout_s: int, files_dir: str | None = None, layout: str = "auto"):
         self.engines = engines
         self.infos = engine_infos
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.files_dir = files_dir
-        self.transport = transport_for(transport, ray.get_runtime_context().get_node_id(),
-                                       [i["node_id"] for i in engine_infos])
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        node = ray.get_runtime_context().get_node_id()
+        here = _ints([all(i["node_id"] == node for i in engine_infos)])
+        dist.all_reduce(here, op=dist.ReduceOp.MIN)
+        self.transport = transport_for(transport, bool(here.item()))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_sync: unknown transport {self.transport!r}; "
                              f"choose auto or one of {TRANSPORTS}")
+        self.layouts = trainer_layouts(ds_engine)
+        self.layout = layout
+        self.tp = max(1, ds_engine.autotp_size())
+        # decided at the first sync: it asks the engines, and failures there are the pool's to handle
+        self.sliced = self.plans = None
         self._buffers: list[tuple[str, torch.Tensor]] = []
         self._group = None
-        self._targets = None  # direct shm: per engine worker (typed arena views, copy plans)
+        self._arenas = None  # shm/ipc: per engine, per worker, an Arena over its live parameters
         self._incarnations = None
         self.shm_mode = None
 
+    # --- who sends what -------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Slice or gather, and who sends what: the same answer on every rank from the same
+        inputs. Collective; a rank that cannot reach the engines makes every rank raise."""
+        error = None
+        try:
+            wanted = self.layout != "gathered" and self.transport in SLICED and self.layouts is not None
+            self.plans = [ray.get(e.copy_plans.remote()) for e in self.engines] if wanted else None
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+            error = exc
+        _agree(error)
+        self.sliced = self.plans is not None and self._can_slice()
+        if self.sliced:
+            self._plan_senders()
+
+    def _can_slice(self) -> bool:
+        unplanned = sorted({n for workers in self.plans for w in workers for n in w["unplanned"]})
+        why = f"vLLM transforms {unplanned[:5]} while loading" if unplanned else next(
+            (w for workers in self.plans for p in workers if (w := slices.sliceable(p["plans"], self.layouts))), None)
+        if why and self.rank == 0:
+            log.warning("weight sync: %s; rank 0 gathers and sends every tensor whole", why)
+        return why is None
+
+    def _plan_senders(self) -> None:
+        """Engines to data-parallel replicas, then each worker's pieces from each sender."""
+        from elasticrl.engine.strategy import data_parallel_info, tensor_parallel_rank
+
+        dp_rank, dp_size = data_parallel_info(self.tp)
+        coords = _ints([dp_rank, tensor_parallel_rank(self.tp)])
+        everyone = [torch.zeros_like(coords) for _ in range(self.world)]
+        dist.all_gather(everyone, coords)
+        self.rank_of = {(int(c[0]), int(c[1])): r for r, c in enumerate(everyone)}
+        self.me = (dp_rank, int(coords[1]))
+        engine_bytes = [sum(_copy_bytes(c) for w in workers for cs in w["plans"].values() for c in cs)
+                        for workers in self.plans]
+        self.replica_of = slices.assign(engine_bytes, dp_size)
+        load = {d: [0] * self.tp for d in range(dp_size)}
+        # pieces[e][w][k]: what tensor-parallel rank k of engine e's replica copies into worker w
+        self.pieces = [[slices.worker_pieces(w["plans"], self.layouts, self.tp, load[self.replica_of[e]])
+                        for w in workers] for e, workers in enumerate(self.plans)]
+
+    def _mine(self) -> list[tuple[int, int, list]]:
+        """(engine, worker, my pieces for it) for the engines my replica feeds."""
+        d, k = self.me
+        return [(e, w, pieces[k]) for e, workers in enumerate(self.pieces) if self.replica_of[e] == d
+                for w, pieces in enumerate(workers) if pieces[k]]
+
+    # --- a sync -------------------------------------------------------------------------
     def sync(self, ds_engine, version: int) -> dict:
-        """Push the trainer's current weights; collective over the trainer's ranks."""
-        rank0 = dist.get_rank() == 0
+        """Push the trainer's current weights; collective over the trainer's ranks. A failure on
+        one rank (an engine that died, a send that broke) is raised on every rank, after the
+        collectives of the sync, so the group stays usable for the retry without that engine."""
         t0 = time.time()
-        params = _Counted(iter_full_params(ds_engine))
-        if not rank0:
-            for _ in params:
-                pass
-            return {}
-        incarnations = ray.get([e.begin_sync.remote() for e in self.engines])
-        if incarnations != self._incarnations:  # an engine restarted: its buffers are new
+        incarnations, error = None, None
+        if self.rank == 0:
+            try:
+                incarnations = ray.get([e.begin_sync.remote() for e in self.engines])
+            except Exception as exc:  # noqa: BLE001 - raised by _agree, on every rank
+                error = exc
+        _agree(error)
+        changed = _ints([self.rank == 0 and incarnations != self._incarnations])
+        dist.broadcast(changed, 0)
+        if changed.item() or self.sliced is None:  # an engine restarted: its buffers and processes are new
             self._release_targets()
-            self._incarnations = incarnations
-        size = max(self.bucket_bytes, shm.aligned(max_param_bytes(ds_engine)))
-        send = {"shm": self._send_shm, "shm_staged": self._send_staged, "broadcast": self._send_broadcast,
-                "files": self._send_files}[self.transport]
-        send(params, size)
+            self._prepare()
+            if self.rank == 0:
+                self._incarnations = incarnations
+        sent = 0
+        try:
+            sent = self._sync_sliced(ds_engine) if self.sliced else self._sync_gathered(ds_engine)
+        except Exception as exc:  # noqa: BLE001 - raised by _agree, on every rank
+            error = exc
+        by_rank = [_ints([0]) for _ in range(self.world)]
+        dist.all_gather(by_rank, _ints([sent if error is None else -1]))  # every write is in before finish
+        _raise_if_failed(error, [int(b) for b in by_rank])
+        if self.rank != 0:
+            return {}
         ray.get([e.finish_sync.remote(version) for e in self.engines])
         seconds = time.time() - t0
-        stats = {"sync/seconds": seconds, "sync/gbytes": params.nbytes / 1e9, "sync/transport": self.transport,
-                 "sync/gbps": params.nbytes / 1e9 / seconds if seconds else 0.0, "sync/version": version}
+        total = sum(int(b) for b in by_rank)
+        stats = {"sync/seconds": seconds, "sync/gbytes": total / 1e9, "sync/transport": self.transport,
+                 "sync/gbps": total / 1e9 / seconds if seconds else 0.0, "sync/version": version,
+                 "sync/layout": "sliced" if self.sliced else "gathered",
+                 "sync/sent_gbytes_by_rank": [int(b) / 1e9 for b in by_rank]}
         if self.transport == "shm":
             stats["sync/shm_mode"] = self.shm_mode  # "direct", or "staged" when plans were missing
         return stats
 
-    # --- shm: direct into the engines' parameters, else staged ---------------------------
+    def _sync_sliced(self, ds_engine) -> int:
+        """Every rank copies its pieces of each tensor as the tensor comes (one module at a time)."""
+        mine = self._mine()
+        by_name: dict[str, list] = {}
+        if self.transport == "broadcast":
+            if self._group is None:
+                self._ensure_group(self.world)
+                self._outboxes = [slices.Outbox(self._group, self._worker_rank(e, w), pieces, self.bucket_bytes,
+                                                backend.current_device()) for e, w, pieces in mine]
+            refs = [e.receive.remote() for e in self.engines] if self.rank == 0 else []
+            for box in self._outboxes:
+                for piece in box.pieces:
+                    by_name.setdefault(piece.name, []).append((box, piece))
+            sent = _each_piece(iter_local_params(ds_engine), by_name, lambda box, piece, t: box.put(piece, t))
+            ray.get(refs)
+            return sent
+        arenas = self._open_arenas({e for e, _, _ in mine})  # rank 0 stopped the engines before its broadcast
+        for e, w, pieces in mine:
+            for piece in pieces:
+                by_name.setdefault(piece.name, []).append((arenas[e][w], piece))
+        self.shm_mode = "direct"
+        sent = _each_piece(iter_local_params(ds_engine), by_name, slices.write_piece)
+        backend.synchronize()
+        return sent
+
+    def _sync_gathered(self, ds_engine) -> int:
+        params = _Counted(iter_full_params(ds_engine))
+        if self.rank != 0:
+            for _ in params:
+                pass
+            return 0
+        size = max(self.bucket_bytes, shm.aligned(max_param_bytes(ds_engine)))
+        send = {"shm": self._send_shm, "ipc": self._send_shm, "shm_staged": self._send_staged,
+                "broadcast": self._send_broadcast, "files": self._send_files}[self.transport]
+        try:
+            send(params, size)
+        finally:
+            for _ in params:  # the other ranks' gathers still need this one (ZeRO-3, AutoTP)
+                pass
+        return params.nbytes * len(self.engines)  # what reached the engines, as the sliced path counts
+
+    def _open_arenas(self, wanted) -> dict[int, list[Arena]]:
+        """Map the parameters of every worker of the ``wanted`` engines (once per incarnation)."""
+        if self._arenas is None:
+            self._arenas = {}
+            for e in sorted(wanted):
+                workers = ray.get(self.engines[e].share_weights.remote())  # in tensor-parallel rank order
+                self._arenas[e] = [Arena(shm.attach(w["path"], w["nbytes"]) if w["path"] else
+                                         backend.open_device_buffer(w["handle"]), w["offsets"]) for w in workers]
+        return self._arenas
+
+    # --- gathered: direct into the engines' parameters, else staged ----------------------
     def _send_shm(self, params, size: int) -> None:
-        if self._targets is None:
-            workers = [w for e in self.engines for w in ray.get(e.share_weights.remote())]
-            unplanned = sorted({n for w in workers for n in w["unplanned"]})
-            if unplanned:
-                log.warning("weight sync: vLLM transforms %s while loading; using staged shared memory",
-                            unplanned[:5])
-                self._targets = []
-            else:
-                self._targets = []
-                for w in workers:
-                    arena = shm.attach(w["path"], w["nbytes"])
-                    typed = {name: arena.view(dt) for name, dt in _DTYPE_BY_NAME.items()}
-                    self._targets.append((typed, w["plans"]))
-        if not self._targets:
+        if self.plans is None:
+            self.plans = [ray.get(e.copy_plans.remote()) for e in self.engines]
+        if any(n for workers in self.plans for w in workers for n in w["unplanned"]):
             self.shm_mode = "staged"
             return self._send_staged(params, size)
         self.shm_mode = "direct"
+        arenas = self._open_arenas(range(len(self.engines)))
+        targets = [(arena, w["plans"]) for e, workers in enumerate(self.plans) for arena, w in zip(arenas[e], workers)]
         for name, t in params:
             t = t.contiguous()
-            for typed, plans in self._targets:
+            for arena, plans in targets:
                 plan = plans.get(name)
                 if plan is None:
                     raise ValueError(f"weight sync: trainer parameter {name!r} is not in the rollout engine's "
                                      "checkpoint; the engines must start from the trainer's model")
-                replay(plan, t, typed)
+                replay(plan, t, arena)
 
     def _send_staged(self, params, size: int) -> None:
         if not self._buffers or self._buffers[0][1].numel() < size:
@@ -170,23 +343,43 @@ class WeightSender:
         ray.get(pending[0] + pending[1])
 
     # --- broadcast ----------------------------------------------------------------------
-    def _ensure_group(self) -> None:
+    def _worker_rank(self, engine: int, worker: int) -> int:
+        return self._group_senders + sum(i.get("tp_size", 1) for i in self.infos[:engine]) + worker
+
+    def _ensure_group(self, senders: int) -> None:
+        """The weight group: trainer ranks 0..senders-1 (all of them when sliced, rank 0 when
+        gathered), then every engine's workers; rank 0 hosts its store on MASTER_ADDR."""
         if self._group is not None:
             return
-        addr = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        world = 1 + sum(i.get("tp_size", 1) for i in self.infos)
-        refs, offset = [], 1
-        for e, info in zip(self.engines, self.infos):
-            refs.append(e.join_group.remote(addr, port, offset, world, backend.dist_backend(), self.timeout_s))
-            offset += info.get("tp_size", 1)
-        self._group = new_group(addr, port, 0, world, backend.dist_backend(), self.timeout_s)
+        self._group_senders = senders
+        addr = os.environ.get("MASTER_ADDR") or ray.util.get_node_ip_address()
+        port = _ints([0])
+        if self.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port[0] = s.getsockname()[1]
+        if senders > 1:
+            dist.broadcast(port, 0)
+        world = senders + sum(i.get("tp_size", 1) for i in self.infos)
+        refs = []
+        if self.rank == 0:
+            refs = [e.join_group.remote(addr, int(port), self._worker_rank(k, 0), world, backend.dist_backend(),
+                                        self.timeout_s) for k, e in enumerate(self.engines)]
+        self._group = new_group(addr, int(port), self.rank, world, backend.dist_backend(), self.timeout_s)
         ray.get(refs)
+        if self.sliced and self.rank == 0:  # what each worker receives from whom, at every sync
+            ray.get([e.expect.remote(self._schedules(k)) for k, e in enumerate(self.engines)])
+
+    def _schedules(self, engine: int) -> dict:
+        """{worker: its receive schedule} for one engine (``slices.receive_order``)."""
+        order = {name: i for i, name in enumerate(self.layouts)}
+        d = self.replica_of[engine]
+        return {w: slices.receive_order({self.rank_of[(d, k)]: mine for k, mine in enumerate(pieces) if mine},
+                                        order, self.bucket_bytes)
+                for w, pieces in enumerate(self.pieces[engine])}
 
     def _send_broadcast(self, params, size: int) -> None:
-        self._ensure_group()
+        self._ensure_group(1)
         buf = torch.empty(size, dtype=torch.uint8, device=backend.current_device())
         refs = []
         for metas, nbytes in _fill_buckets(params, [buf], size):
@@ -211,7 +404,9 @@ class WeightSender:
 
     # --- teardown -----------------------------------------------------------------------
     def _release_targets(self) -> None:
-        self._targets = None
+        """Forget the engines' buffers and group (their processes restarted)."""
+        self._arenas = None
+        self._group = None
 
     def _release_buffers(self) -> None:
         for path, _ in self._buffers:
@@ -221,11 +416,57 @@ class WeightSender:
 
     def close(self) -> None:
         """Release what the engines hold of this sender; an engine that died has nothing left."""
-        self._release_targets()
-        self._release_buffers()
-        if self._group is not None:
+        if self._group is not None and self.rank == 0:
             _on_live(e.leave_group.remote() for e in self.engines)
-            self._group = None
+        self._release_targets()
+        if self.rank == 0:
+            self._release_buffers()
+
+
+def _each_piece(tensors, by_name: dict, copy) -> int:
+    """``copy(target, piece, tensor)`` for every piece of every tensor as it comes; after a failure
+    the tensors are still walked (ZeRO-3 gathers them collectively), then it is raised."""
+    sent, error = 0, None
+    for name, t in tensors:
+        for target, piece in by_name.get(name, ()) if error is None else ():
+            try:
+                sent += copy(target, piece, t)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                error = exc
+                break
+    if error is not None:
+        raise error
+    return sent
+
+
+def _agree(error: BaseException | None) -> None:
+    """Collective: raise on every rank when any rank had an error (its own where it had one)."""
+    ok = _ints([error is None])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise RuntimeError("weight sync: another trainer rank failed (its error is in its log)")
+
+
+def _raise_if_failed(error: BaseException | None, sent_by_rank: list[int]) -> None:
+    if error is not None:
+        raise error
+    failed = [r for r, n in enumerate(sent_by_rank) if n < 0]
+    if failed:
+        raise RuntimeError(f"weight sync: trainer rank(s) {failed} failed (their errors are in their logs)")
+
+
+def _ints(values) -> torch.Tensor:
+    """Integers for the trainer's own collectives (NCCL wants them on the device)."""
+    return torch.tensor([int(v) for v in values], dtype=torch.int64, device=backend.current_device())
+
+
+def _copy_bytes(copy) -> int:
+    n = 1
+    for s in copy[3]:
+        n *= s
+    return 0 if copy[0] == "fill" else n * torch.tensor([], dtype=getattr(torch, copy[5])).element_size()
 
 
 def _on_live(refs) -> None:

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from elasticrl.cluster import RoleGroup
-from elasticrl.rollout.pool import RolloutPool
 from elasticrl.spec import load_spec, spec_to_dict
 from elasticrl.trainers.sft import SFTWorker, resolve_paths
 from elasticrl.world.model import PRESETS
-from tests.integration.test_weight_sync import PROBE, _trainer_logprobs
+from tests.integration.test_weight_sync import PROBE, _trainer_logprobs, pool_of
 
 pytestmark = pytest.mark.slow
 SPEC = ["model.dtype=fp32", "train.micro_batch_size=8", "train.global_batch_size=32", "train.lr=3e-3",
@@ -47,10 +46,7 @@ def expected_slice(name: str, full: dict[str, torch.Tensor], rank: int, tp: int)
 
 @pytest.fixture(scope="module")
 def tp_pool(ray_cluster):
-    spec = load_spec({}, SPEC + ["rollout.tp_size=2"])
-    p = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", seed=0)
-    yield p
-    p.shutdown()
+    yield from pool_of(load_spec({}, SPEC + ["rollout.tp_size=2"]))
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +134,64 @@ def test_cpu_sleep_restarts_and_the_next_sync_restores_weights(tp_pool, trainer,
     assert versions == [102]
     for a, b in zip(again, reference):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tp1_pool(ray_cluster):
+    yield from pool_of(load_spec({}, SPEC))
+
+
+@pytest.fixture(scope="module")
+def autotp_trainer(ray_cluster):
+    spec = load_spec({}, SPEC + ["train.tp_size=2", "train.zero_stage=1", "train.micro_batch_size=16"])
+    group = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), resolve_paths(spec))
+    group.setup(50)
+    yield group
+    group.shutdown()
+
+
+def _sync_and_compare(trainer, engines, infos, pools, transport, version, tmp_path) -> dict:
+    trainer.call("train_step", version)
+    assert trainer.call("attach_rollout", engines, infos, transport, 1, str(tmp_path))[0] == transport
+    stats = trainer.call("sync_weights", version)[0]
+    trainer.call("detach_rollout")
+    assert stats["sync/layout"] == "sliced"
+    expected = trainer.call("__ray_call__", lambda w: _trainer_logprobs(w, PROBE))[0]
+    for pool in pools:
+        got, versions = pool.score(PROBE)
+        assert versions == [version]
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(e), atol=1e-4, rtol=0,
+                                       msg=f"{transport} into tp {pool.infos[0]['tp_size']}")
+    return stats
+
+
+def test_autotp_slices_go_straight_into_tp2_and_tp1_engines(autotp_trainer, tp_pool, tp1_pool, tmp_path):
+    """AutoTP 2 -> engine TP 2 and 2 -> 1 in one sync, over shared memory and point to point:
+    each trainer rank sends its own slices only (rank 0 sent the whole model when it gathered)."""
+    from elasticrl.weights.shards import iter_tensors
+
+    full = sum(t.numel() * 4 for _, t in iter_tensors(resolve_paths(load_spec({}, SPEC))["model"]))
+    local = autotp_trainer.call("__ray_call__", lambda w: sum(p.numel() * 4 for p in w.engine.module.parameters()))
+    assert max(local) < 0.75 * full  # AutoTP really cut the model: each rank holds little more than half
+    engines, infos = tp_pool.engines + tp1_pool.engines, tp_pool.infos + tp1_pool.infos
+    for version, transport in enumerate(("shm", "broadcast"), start=200):
+        stats = _sync_and_compare(autotp_trainer, engines, infos, [tp_pool, tp1_pool], transport, version, tmp_path)
+        sent = [gb * 1e9 for gb in stats["sync/sent_gbytes_by_rank"]]
+        assert all(sent[k] <= 2 * local[k] for k in range(2)), (transport, sent, local)  # its slices, per engine
+        # both engines got the whole model (the TP 2 workers each their own copy of the norms)
+        assert 2 * full <= sum(sent) <= 2.05 * full, (transport, sent, full)
+
+
+def test_two_replicas_feed_two_engines_at_once_and_one_rank_fills_a_tp2_engine(trainer, tp_pool, tp1_pool,
+                                                                               tmp_path):
+    """ZeRO-3 with two data-parallel ranks (AutoTP 1): each replica feeds one engine, the
+    biggest first (the TP 2 engine, whose workers each hold the norms), 1 -> 2 and 1 -> 1."""
+    from elasticrl.weights.shards import iter_tensors
+
+    full = sum(t.numel() * 4 for _, t in iter_tensors(resolve_paths(load_spec({}, SPEC))["model"]))
+    engines, infos = tp_pool.engines + tp1_pool.engines, tp_pool.infos + tp1_pool.infos
+    for version, transport in enumerate(("shm", "broadcast"), start=300):
+        stats = _sync_and_compare(trainer, engines, infos, [tp_pool, tp1_pool], transport, version, tmp_path)
+        to_tp2, to_tp1 = (gb * 1e9 for gb in stats["sync/sent_gbytes_by_rank"])
+        assert to_tp1 == full and full < to_tp2 <= 1.05 * full, (transport, to_tp2, to_tp1, full)

@@ -31,12 +31,16 @@ def _trainer_logprobs(worker, ids):
     return [lp[i, : len(s) - 1].tolist() for i, s in enumerate(ids)]
 
 
-@pytest.fixture(scope="module")
-def pool(ray_cluster):
-    spec = load_spec({}, SPEC)
+def pool_of(spec):
+    """A module fixture's body: fp32 engines of ``spec`` for the module's tests."""
     p = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", seed=0)
     yield p
     p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    yield from pool_of(load_spec({}, SPEC))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

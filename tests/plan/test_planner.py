@@ -7,7 +7,7 @@ import pytest
 
 from elasticrl.plan import Inventory, PlanError, plan_job
 from elasticrl.plan.arch import KNOWN, arch_of
-from elasticrl.plan.memory import GB, engine_need, model_states
+from elasticrl.plan.memory import CONTEXT_BYTES, GB, TrainConfig, engine_need, model_states, trained_role
 from elasticrl.plan.planner import USABLE, fewer_ranks
 from elasticrl.spec import explicit_fields, load_spec, read_raw
 from tests.conftest import EXAMPLES, run_cli
@@ -30,6 +30,20 @@ def test_offload_moves_optimizer_states_and_gradients_to_the_host():
     m = model_states(7.5e9, 8, 3, offload_optimizer=True, offload_params=True)
     assert m["params"] == 0 and m["optimizer"] == 0 and m["grads"] == 2 * 5e8  # one reduce bucket
     assert m["host"] == pytest.approx((12 + 2) * 7.5e9 / 8 + 2 * 7.5e9 / 8)
+
+
+def test_an_idle_trained_role_keeps_only_its_16_bit_weights_through_rollout():
+    # 7B actor, ZeRO-1 on 8 GPUs: 2P weights, 2P gradients, 12P/8 Adam state (ZeRO, Section 5).
+    # offload_idle moves the gradients and the optimizer state out from the end of an update
+    # to the start of the next: rollout holds 2P + context, the host gets 2P + 12P/8.
+    a, cfg = KNOWN["llama-2-7b"], TrainConfig(1, False, False, 1, True, 1)
+    p = a.params()
+    kept = trained_role(a, "lm", 8, cfg, 1024)
+    idle = trained_role(a, "lm", 8, cfg, 1024, offload_idle=True)
+    assert kept["rollout"] == pytest.approx(2 * p + 2 * p + 12 * p / 8 + CONTEXT_BYTES)
+    assert idle["rollout"] == pytest.approx(2 * p + CONTEXT_BYTES)
+    assert idle["host"] == pytest.approx(2 * p + 12 * p / 8) and idle["train"] == kept["train"]
+    assert kept["experience"] - idle["experience"] == pytest.approx(2 * p + 12 * p / 8)
 
 
 @pytest.mark.parametrize("name, billions", [("llama-2-7b", 6.74), ("llama-2-13b", 13.02),

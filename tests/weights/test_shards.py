@@ -27,17 +27,19 @@ def test_sharded_round_trip_with_index(tmp_path):
 
 
 def test_copy_plan_replay_handles_fused_rows_views_and_fills():
-    from elasticrl.weights.plan import replay
+    from elasticrl.weights.plan import Arena, replay
 
-    arena = torch.zeros(64, dtype=torch.uint8)  # 16 fp32 slots
-    typed = {"float32": arena.view(torch.float32)}
+    arena = torch.zeros(64 + 32, dtype=torch.uint8)
+    params = Arena(arena, [0, 64])  # parameter 0: 16 fp32 slots; parameter 1 from byte 64: 8 slots
     flat = torch.arange(100, dtype=torch.float32)
     src = flat[40:46].view(2, 3)  # a view at storage offset 40, like a ZeRO partition
     plans = [
-        ("copy", 4 * 4, [1, 3], [3, 1], "float32", 3, [1, 3], [3, 1]),  # row 1 of src -> slots 4..6
-        ("copy", 8 * 4, [2, 1], [1, 1], "float32", 0, [2, 1], [3, 1]),  # column 0 -> slots 8, 9
-        ("fill", 12 * 4, [4], [1], "float32", 7.0, [], []),            # padding rows -> 7
+        ("copy", 0, 4 * 4, [1, 3], [3, 1], "float32", 3, [1, 3], [3, 1]),  # row 1 of src -> slots 4..6
+        ("copy", 0, 8 * 4, [2, 1], [1, 1], "float32", 0, [2, 1], [3, 1]),  # column 0 -> slots 8, 9
+        ("fill", 0, 12 * 4, [4], [1], "float32", 7.0, [], []),            # padding rows -> 7
+        ("copy", 1, 2 * 4, [3], [1], "float32", 1, [3], [1]),              # 41, 42, 43 -> its slots 2..4
     ]
-    written = replay(plans, src, typed)
-    assert written == 4 * (3 + 2 + 4)
-    assert typed["float32"].tolist() == [0, 0, 0, 0, 43, 44, 45, 0, 40, 43, 0, 0, 7, 7, 7, 7]
+    written = replay(plans, src, params)
+    assert written == 4 * (3 + 2 + 4 + 3)
+    assert arena.view(torch.float32).tolist() == [0, 0, 0, 0, 43, 44, 45, 0, 40, 43, 0, 0, 7, 7, 7, 7,
+                                                   0, 0, 41, 42, 43, 0, 0, 0]

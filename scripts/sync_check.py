@@ -1,0 +1,346 @@
+"""The weights layer's sliced transports between plain torch processes: no Ray, vLLM or DeepSpeed.
+
+T sender processes hold AutoTP slices of a Llama-shaped model (q/k/v/gate/up cut by rows,
+o/down by columns, the head by vocabulary rows, the rest whole); T' receiver processes lay
+their parameters out as vLLM's tensor-parallel workers do (q/k/v fused into qkv and gate/up
+into gate_up, each part cut by rows; o/down by columns; embedding and head by vocabulary
+rows; norms whole), described by copy plans like those vLLM's loaders record. Each transport
+moves the slices with the project's own code (``elasticrl.weights.slices``, ``receive``,
+``group``) and every receiver checks its parameters bit-exact against the slices cut from
+the full tensors here. Transports: ``p2p`` (a gloo or NCCL group, point to point) and
+``arena`` (the receivers' parameters in one buffer the senders map: /dev/shm on CPU, CUDA
+IPC on a GPU). Figures: GB/s per transport against this process's copy bandwidth.
+
+  python scripts/sync_check.py [--device cpu|cuda] [--senders 2] [--receivers 1,2,4] [--hidden 512]
+Prints JSON lines; exits non-zero when a receiver's weights differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from elasticrl import backend  # noqa: E402
+from elasticrl.weights import receive, shm, slices  # noqa: E402
+from elasticrl.weights.group import new_group  # noqa: E402
+from elasticrl.weights.plan import Arena  # noqa: E402
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def model_shapes(hidden: int, layers: int, vocab: int, heads: int, kv_heads: int) -> dict[str, tuple]:
+    head_dim, inter = hidden // heads, 4 * hidden
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter),
+                       p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _kind(name: str) -> str:
+    if any(f".{c}." in name for c in COLUMN):
+        return "column"
+    if ".o_proj." in name or ".down_proj." in name:
+        return "row"
+    return "vocab" if "embed_tokens" in name or "lm_head" in name else "whole"
+
+
+def trainer_layouts(shapes: dict, tp: int) -> dict[str, slices.Layout]:
+    """AutoTP's training cuts: column-parallel rows, row-parallel columns, the head's vocabulary rows."""
+    out = {}
+    for name, shape in shapes.items():
+        kind = _kind(name)
+        if kind == "whole" or name.startswith("model.embed_tokens"):
+            out[name] = slices.Layout(shape)
+            continue
+        dim = 1 if kind == "row" else 0
+        out[name] = slices.Layout(shape, dim, tuple([shape[dim] // tp] * tp))
+    return out
+
+
+def vllm_worker(shapes: dict, rank: int, tp: int):
+    """(parameter shapes, copy plans) of one vLLM-style tensor-parallel worker."""
+    params: dict[str, tuple] = {}
+    plans: dict[str, list] = {}
+    for name, shape in shapes.items():
+        kind, module = _kind(name), name.rsplit(".", 2)[-2]
+        target = name.replace(module, FUSED[module][0]) if module in FUSED else name
+        if kind == "row":
+            cols = shape[1] // tp
+            params[target] = (shape[0], cols)
+            plans[name] = [(target, 0, [shape[0], cols], [cols, 1], rank * cols, [shape[0], cols], [shape[1], 1])]
+        elif kind == "whole":
+            params[target] = shape
+            plans[name] = [(target, 0, list(shape), [1], 0, list(shape), [1])]
+        else:  # rows, appended to the fused parameter's earlier parts
+            rows, start = shape[0] // tp, params.get(target, (0,))[0]
+            params[target] = (start + rows, shape[1])
+            plans[name] = [(target, start * shape[1] * 4, [rows, shape[1]], [shape[1], 1], rank * rows * shape[1],
+                            [rows, shape[1]], [shape[1], 1])]
+    names = list(params)
+    return [params[n] for n in names], {
+        name: [("copy", names.index(t), off, ds, dst, "float32", so, ss, st) for t, off, ds, dst, so, ss, st in cs]
+        for name, cs in plans.items()}
+
+
+def full_tensors(shapes: dict) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _sender(rank: int, args, port: int, arenas_info, results) -> None:
+    device = _device(args, rank)
+    shapes = model_shapes(args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
+    layouts = trainer_layouts(shapes, args.senders)
+    full = full_tensors(shapes)
+    local = {n: _cut(full[n], layouts[n], rank).to(device) for n in shapes}
+    pieces = _pieces(shapes, layouts, args)
+    world = args.senders + args.receivers
+    sent = 0
+    if args.transport == "p2p":
+        group = new_group("127.0.0.1", port, rank, world, backend_name(args), 300)
+        boxes = [slices.Outbox(group, args.senders + w, pieces[w][rank], args.bucket_mb * 2**20, device)
+                 for w in range(args.receivers)]
+        group.barrier().wait()
+        t0 = time.perf_counter()
+        for name, t in local.items():
+            for box in boxes:
+                for piece in box.pieces:
+                    if piece.name == name:
+                        sent += box.put(piece, t)
+        backend.synchronize()
+        group.barrier().wait()
+    else:
+        arenas = [Arena(shm.attach(path, nbytes) if path else backend.open_device_buffer(handle), offsets)
+                  for path, handle, nbytes, offsets in arenas_info]
+        results.put(("ready", rank, 0, 0.0))
+        _wait_file(args, "go")
+        t0 = time.perf_counter()
+        for name, t in local.items():
+            for w, arena in enumerate(arenas):
+                for piece in pieces[w][rank]:
+                    if piece.name == name:
+                        sent += slices.write_piece(arena, piece, t)
+        backend.synchronize()
+    results.put(("sender", rank, sent, time.perf_counter() - t0))
+
+
+def _receiver(rank: int, args, port: int, arena_queue, results) -> None:
+    device = _device(args, args.senders + rank)
+    shapes = model_shapes(args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
+    layouts = trainer_layouts(shapes, args.senders)
+    param_shapes, _ = vllm_worker(shapes, rank, args.receivers)
+    pieces = _pieces(shapes, layouts, args)
+    if args.transport == "p2p":
+        params = [torch.zeros(s, device=device) for s in param_shapes]
+        group = new_group("127.0.0.1", port, args.senders + rank, args.senders + args.receivers, backend_name(args),
+                          300)
+        schedule = slices.receive_order(dict(enumerate(pieces[rank])), {n: i for i, n in enumerate(shapes)},
+                                        args.bucket_mb * 2**20)
+        group.barrier().wait()
+        receive.receive_sliced(group, params, schedule)
+        backend.synchronize()
+        group.barrier().wait()
+    else:
+        offsets, total = [], 0
+        for s in param_shapes:
+            offsets.append(total)
+            total += shm.aligned(torch.Size(s).numel() * 4)
+        if device.type == "cpu":
+            path, buf = shm.create(total, "check")
+            handle = None
+        else:
+            path, buf = None, torch.zeros(total, dtype=torch.uint8, device=device)
+            handle = backend.export_device_buffer(buf)
+        arena_queue.put((rank, (path, handle, total, offsets)))
+        params = [shm.view(buf, o, torch.float32, tuple(s)) for o, s in zip(offsets, param_shapes)]
+        _wait_file(args, "done")
+        if path:
+            shm.release(path)
+    want = _expected(shapes, rank, args.receivers, param_shapes)
+    bad = [i for i, (p, w) in enumerate(zip(params, want)) if not torch.equal(p.cpu(), w)]
+    results.put(("receiver", rank, len(bad), 0.0))
+    if args.transport != "p2p":
+        _wait_file(args, "exit")
+
+
+def _expected(shapes: dict, rank: int, tp: int, param_shapes: list) -> list[torch.Tensor]:
+    """The worker's parameters cut from the full tensors directly, by the vLLM layout."""
+    full = full_tensors(shapes)
+    out: dict[str, list] = {}
+    for name, t in full.items():
+        kind, module = _kind(name), name.rsplit(".", 2)[-2]
+        if kind in ("column", "vocab"):
+            n = t.shape[0] // tp
+            target = name.replace(module, FUSED[module][0]) if module in FUSED else name
+            out.setdefault(target, []).append(t[rank * n:(rank + 1) * n])
+        elif kind == "row":
+            n = t.shape[1] // tp
+            out[name] = [t[:, rank * n:(rank + 1) * n]]
+        else:
+            out[name] = [t]
+    return [torch.cat(parts) for parts in out.values()]
+
+
+def _pieces(shapes, layouts, args) -> list[list[list]]:
+    load = [0] * args.senders
+    return [slices.worker_pieces(vllm_worker(shapes, w, args.receivers)[1], layouts, args.senders, load)
+            for w in range(args.receivers)]
+
+
+def _cut(t: torch.Tensor, layout: slices.Layout, rank: int) -> torch.Tensor:
+    box = layout.box(rank)
+    for dim, (lo, hi) in enumerate(box):
+        t = t.narrow(dim, lo, hi - lo)
+    return t.contiguous()
+
+
+def _device(args, index: int) -> torch.device:
+    if args.device == "cpu":
+        return torch.device("cpu")
+    backend.set_local_device(index % len(backend.gpus()))
+    return backend.current_device()
+
+
+def backend_name(args) -> str:
+    return "gloo" if args.device == "cpu" else "nccl"
+
+
+def _wait_file(args, name: str) -> None:
+    path = Path(args.flags) / name
+    while not path.exists():
+        time.sleep(0.005)
+
+
+def run(args) -> dict:
+    """One transport with fresh processes; returns its figures."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    results, arena_queue = ctx.Queue(), ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args.flags = tempfile.mkdtemp(prefix="erl-sync-check-")
+    procs, arenas_info = [], None
+    for r in range(args.receivers):
+        procs.append(ctx.Process(target=_receiver, args=(r, args, port, arena_queue, results)))
+        procs[-1].start()
+    if args.transport == "arena":
+        got = dict(arena_queue.get(timeout=300) for _ in range(args.receivers))
+        arenas_info = [got[r] for r in range(args.receivers)]
+    for k in range(args.senders):
+        procs.append(ctx.Process(target=_sender, args=(k, args, port, arenas_info, results)))
+        procs[-1].start()
+    if args.transport == "arena":
+        for _ in range(args.senders):
+            results.get(timeout=300)
+        (Path(args.flags) / "go").touch()
+    rows = []
+    while len([r for r in rows if r[0] == "sender"]) < args.senders:
+        rows.append(results.get(timeout=600))
+    if args.transport == "arena":
+        (Path(args.flags) / "done").touch()
+    while len([r for r in rows if r[0] == "receiver"]) < args.receivers:
+        rows.append(results.get(timeout=600))
+    (Path(args.flags) / "exit").touch()
+    for p in procs:
+        p.join(timeout=120)
+    sent = [r[2] for r in sorted(x for x in rows if x[0] == "sender")]
+    seconds = max(r[3] for r in rows if r[0] == "sender")
+    bad = sum(r[2] for r in rows if r[0] == "receiver")
+    return {"transport": args.transport, "senders": args.senders, "receivers": args.receivers,
+            "bytes_by_sender": sent, "seconds": round(seconds, 5), "gbps": round(sum(sent) / 1e9 / seconds, 3),
+            "bit_exact": bad == 0, "exit_codes": [p.exitcode for p in procs]}
+
+
+def deepspeed_step(args) -> int:
+    """Three ZeRO-1 AdamW steps of a 4-layer MLP of width --hidden in one process; the loss must fall."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(args.hidden, args.hidden),
+                                                               torch.nn.GELU())])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config={"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 1},
+                                              "bf16": {"enabled": args.device != "cpu"}})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, args.hidden, generator=g).to(engine.device)
+    dtype = next(engine.module.parameters()).dtype
+    losses, times = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        loss = (engine(x.to(dtype)).float() ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        backend.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    print(json.dumps({"deepspeed_step": deepspeed.__version__, "device": str(engine.device),
+                      "losses": [round(v, 5) for v in losses], "seconds": [round(t, 4) for t in times]}))
+    return 0 if losses[-1] < losses[0] else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if backend.has_gpu() else "cpu")
+    ap.add_argument("--senders", type=int, default=2)
+    ap.add_argument("--receivers", default="1,2,4")
+    ap.add_argument("--transports", default="p2p,arena")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--deepspeed-step", action="store_true", help="instead: time DeepSpeed training steps of a "
+                    "plain torch model on this device (bare GPU machines that carry its wheel)")
+    args = ap.parse_args(argv)
+    if args.deepspeed_step:
+        return deepspeed_step(args)
+    shapes = model_shapes(args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
+    nbytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())
+    if args.device != "cpu":
+        backend.set_local_device(0)
+    copy = backend.device_copy_gbps(nbytes)
+    print(json.dumps({"measure": "copy", "device": args.device, "gbytes": round(nbytes / 1e9, 4),
+                      "gbps": round(copy, 3)}), flush=True)
+    ok = True
+    for transport in args.transports.split(","):
+        for receivers in (int(r) for r in args.receivers.split(",")):
+            if transport == "p2p" and args.device != "cpu" and len(backend.gpus()) < args.senders + receivers:
+                print(json.dumps({"transport": transport, "receivers": receivers, "skipped": "NCCL wants a GPU "
+                                  f"per process: {args.senders + receivers} processes, {len(backend.gpus())} GPUs"}))
+                continue
+            row = run(argparse.Namespace(**{**vars(args), "transport": transport, "receivers": receivers}))
+            row["ratio_to_copy"] = round(row["gbps"] / copy, 3)
+            ok &= row["bit_exact"] and set(row["exit_codes"]) == {0}
+            print(json.dumps(row), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The bare mode of scripts/gpu_check.sh as far as a CPU takes it: scripts/sync_check.py moves
+AutoTP slices between plain processes into receivers laid out as vLLM's tensor-parallel workers
+(fused q/k/v and gate/up), over gloo point to point and over shared memory, checked bit-exact
+by the receivers against slices cut here from the full tensors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZE = ["--hidden", "64", "--layers", "2", "--vocab", "256", "--heads", "4", "--kv-heads", "2"]
+
+
+def _check(*args) -> list[dict]:
+    out = subprocess.run([sys.executable, "scripts/sync_check.py", "--device", "cpu", *SIZE, *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_two_senders_into_one_and_two_receivers_and_one_sender_into_two():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from sync_check import model_shapes
+
+    # embedding 256x64, per layer q 64x64, k and v 32x64, o 64x64, gate/up 256x64, down 64x256,
+    # two norms of 64; the final norm; the head 256x64: all fp32
+    full = 4 * (2 * 256 * 64 + 2 * (64 * 64 * 2 + 2 * 32 * 64 + 3 * 256 * 64 + 2 * 64) + 64)
+    assert full == 4 * sum(torch_numel(s) for s in model_shapes(64, 2, 256, 4, 2).values())
+    rows = _check("--senders", "2", "--receivers", "1,2")
+    assert [(r["transport"], r["receivers"]) for r in rows[1:]] == [("p2p", 1), ("p2p", 2), ("arena", 1), ("arena", 2)]
+    for r in rows[1:]:
+        assert r["bit_exact"], r
+        # every byte of the model reaches the receivers once, but the five norms (whole in every
+        # worker, like vLLM's) once per worker
+        whole = 4 * 5 * 64
+        assert sum(r["bytes_by_sender"]) == full + (r["receivers"] - 1) * whole, r
+        assert max(r["bytes_by_sender"]) < 0.6 * sum(r["bytes_by_sender"]), r  # no sender sends it all
+    [one_to_two] = _check("--senders", "1", "--receivers", "2", "--transports", "p2p")[1:]
+    assert one_to_two["bit_exact"] and one_to_two["bytes_by_sender"] == [full + 4 * 5 * 64]
+
+
+def torch_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
