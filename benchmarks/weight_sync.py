@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--size", default="50m", help="embedded world model preset")
     ap.add_argument("--buckets", default="16,64,256", help="bucket sizes in MiB (transports)")
     ap.add_argument("--transports", default=None, help="default: shm,shm_staged,broadcast,files for the "
-                    "transports suite, shm,broadcast for senders")
+                    "transports suite, shm,ipc,broadcast for senders (ipc runs over /dev/shm on CPU)")
     ap.add_argument("--modes", default="dense,packed", help="CPU engine modes to measure (transports)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -128,7 +128,7 @@ def senders(args) -> None:
             moved: dict[tuple, list] = {}
             version = 0
             for _ in range(args.repeats):  # the layouts alternate: both see the same machine
-                for transport in (args.transports or "shm,broadcast").split(","):
+                for transport in (args.transports or "shm,ipc,broadcast").split(","):
                     for layout in ("gathered", "sliced"):
                         trainer.call("attach_rollout", pool.engines, pool.infos, transport, 64, None, layout)
                         for _ in range(2):  # the first allocates buffers and maps arenas: not counted
@@ -144,7 +144,7 @@ def senders(args) -> None:
                                   "gbps": round(gbps, 3), "ratio_to_memcpy": round(gbps / memcpy, 3),
                                   "gbytes_by_rank": [round(g, 4) for g in moved[(transport, layout)]],
                                   "rank_bytes_held": [round(f / 1e9, 4) for f in full]}), flush=True)
-            for transport in (args.transports or "shm,broadcast").split(","):
+            for transport in (args.transports or "shm,ipc,broadcast").split(","):
                 ratio = statistics.median(rates[(transport, "sliced")]) / statistics.median(
                     rates[(transport, "gathered")])
                 headline[f"{kind}/{transport}_sliced_over_gathered"] = round(ratio, 2)

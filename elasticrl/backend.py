@@ -169,19 +169,18 @@ def tcp_store(addr: str, port: int, world_size: int, rank: int, timeout_s: float
                          wait_for_workers=False, master_listen_fd=fd)
 
 
-def export_device_buffer(buffer: torch.Tensor) -> tuple:
-    """A CUDA IPC handle of a device tensor, for another process on the node (``open_device_buffer``);
-    the exporting process keeps the tensor alive."""
-    from torch.multiprocessing.reductions import reduce_tensor
+def export_device_buffer(buffer: torch.Tensor) -> list:
+    """A CUDA IPC handle of a device buffer (ordinary ``cudaMalloc`` memory from torch's allocator)
+    for another process on the node (``open_device_buffer``), as plain bytes and integers so any
+    message format carries it; the exporting process keeps the buffer alive."""
+    return list(buffer.untyped_storage()._share_cuda_())
 
-    return reduce_tensor(buffer)[1]
 
-
-def open_device_buffer(handle: tuple) -> torch.Tensor:
-    """The device tensor another process exported, mapped into this one (no copy)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*handle)
+def open_device_buffer(handle: list) -> torch.Tensor:
+    """The uint8 device buffer another process exported, mapped into this one (no copy)."""
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+    device = torch.device("cuda", int(handle[0]))
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def device_copy_gbps(nbytes: int, repeats: int = 5) -> float:

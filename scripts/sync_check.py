@@ -7,9 +7,11 @@ into gate_up, each part cut by rows; o/down by columns; embedding and head by vo
 rows; norms whole), described by copy plans like those vLLM's loaders record. Each transport
 moves the slices with the project's own code (``elasticrl.weights.slices``, ``receive``,
 ``group``) and every receiver checks its parameters bit-exact against the slices cut from
-the full tensors here. Transports: ``p2p`` (a gloo or NCCL group, point to point) and
-``arena`` (the receivers' parameters in one buffer the senders map: /dev/shm on CPU, CUDA
-IPC on a GPU). Figures: GB/s per transport against this process's copy bandwidth.
+the full tensors here. Transports: ``p2p`` (a gloo or NCCL group, point to point), ``ipc``
+(buckets in the senders' own buffers that the receivers map: CUDA IPC on a GPU, /dev/shm on
+CPU; a message and an answer per bucket, as Ray carries them in the product) and ``arena`` (the
+receivers' parameters in one /dev/shm buffer the senders write into; CPU only). Figures:
+GB/s per transport against this process's copy bandwidth.
 
   python scripts/sync_check.py [--device cpu|cuda] [--senders 2] [--receivers 1,2,4] [--hidden 512]
 Prints JSON lines; exits non-zero when a receiver's weights differ.
@@ -107,51 +109,66 @@ def full_tensors(shapes: dict) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
-def _sender(rank: int, args, port: int, arenas_info, results) -> None:
+def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
     device = _device(args, rank)
     shapes = model_shapes(args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
     layouts = trainer_layouts(shapes, args.senders)
     full = full_tensors(shapes)
     local = {n: _cut(full[n], layouts[n], rank).to(device) for n in shapes}
     pieces = _pieces(shapes, layouts, args)
-    world = args.senders + args.receivers
-    sent = 0
+    bucket = args.bucket_mb * 2**20
+    group = None
     if args.transport == "p2p":
-        group = new_group("127.0.0.1", port, rank, world, backend_name(args), 300)
-        boxes = [slices.Outbox(group, args.senders + w, pieces[w][rank], args.bucket_mb * 2**20, device)
+        group = new_group("127.0.0.1", port, rank, args.senders + args.receivers, backend_name(args), 300)
+        boxes = [slices.Outbox(group, args.senders + w, pieces[w][rank], bucket, device)
                  for w in range(args.receivers)]
         group.barrier().wait()
-        t0 = time.perf_counter()
-        for name, t in local.items():
-            for box in boxes:
-                for piece in box.pieces:
-                    if piece.name == name:
-                        sent += box.put(piece, t)
-        backend.synchronize()
-        group.barrier().wait()
-    else:
-        arenas = [Arena(shm.attach(path, nbytes) if path else backend.open_device_buffer(handle), offsets)
-                  for path, handle, nbytes, offsets in arenas_info]
+    elif args.transport == "ipc":  # the sender's buffers, a message per bucket, as Ray carries them
+        inboxes, acks = queues
+
+        def load(worker, sender, slot, handle, bucket_):
+            inboxes[worker].put((sender, slot, handle, bucket_))
+            return worker
+
+        boxes = [slices.SharedOutbox(load, rank, w, pieces[w][rank], bucket, device,
+                                     wait=lambda worker, k=rank: acks[k][worker].get(timeout=300))
+                 for w in range(args.receivers)]
         results.put(("ready", rank, 0, 0.0))
         _wait_file(args, "go")
-        t0 = time.perf_counter()
-        for name, t in local.items():
-            for w, arena in enumerate(arenas):
-                for piece in pieces[w][rank]:
-                    if piece.name == name:
-                        sent += slices.write_piece(arena, piece, t)
-        backend.synchronize()
+    else:
+        arenas = [Arena(shm.attach(path, nbytes), offsets) for path, nbytes, offsets in arenas_info]
+        results.put(("ready", rank, 0, 0.0))
+        _wait_file(args, "go")
+    t0 = time.perf_counter()
+    sent = 0
+    for name, t in local.items():
+        for w in range(args.receivers):
+            for piece in pieces[w][rank]:
+                if piece.name == name:
+                    sent += slices.write_piece(arenas[w], piece, t) if args.transport == "arena" else \
+                        boxes[w].put(piece, t)
+    if args.transport == "ipc":
+        for box in boxes:
+            box.finish()
+            inboxes[box.worker].put(None)  # this sender is done
+    backend.synchronize()
+    if group is not None:
+        group.barrier().wait()
     results.put(("sender", rank, sent, time.perf_counter() - t0))
+    if args.transport == "ipc":
+        _wait_file(args, "exit")  # the receivers map this process's buffers until they are checked
+        for box in boxes:
+            box.close()
 
 
-def _receiver(rank: int, args, port: int, arena_queue, results) -> None:
+def _receiver(rank: int, args, port: int, arena_queue, queues, results) -> None:
     device = _device(args, args.senders + rank)
     shapes = model_shapes(args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
     layouts = trainer_layouts(shapes, args.senders)
     param_shapes, _ = vllm_worker(shapes, rank, args.receivers)
     pieces = _pieces(shapes, layouts, args)
+    params = [torch.zeros(s, device=device) for s in param_shapes]
     if args.transport == "p2p":
-        params = [torch.zeros(s, device=device) for s in param_shapes]
         group = new_group("127.0.0.1", port, args.senders + rank, args.senders + args.receivers, backend_name(args),
                           300)
         schedule = slices.receive_order(dict(enumerate(pieces[rank])), {n: i for i, n in enumerate(shapes)},
@@ -160,27 +177,34 @@ def _receiver(rank: int, args, port: int, arena_queue, results) -> None:
         receive.receive_sliced(group, params, schedule)
         backend.synchronize()
         group.barrier().wait()
+    elif args.transport == "ipc":  # what the engine's worker does (worker_ext.erl_load_pieces)
+        inboxes, acks = queues
+        mapped, done = {}, 0
+        while done < args.senders:
+            message = inboxes[rank].get(timeout=300)
+            if message is None:
+                done += 1
+                continue
+            sender, slot, handle, bucket = message
+            if mapped.get((sender, slot), (None,))[0] != handle:
+                mapped[(sender, slot)] = (handle, shm.open_shared(handle))
+            receive.copy_pieces(params, mapped[(sender, slot)][1], bucket)
+            backend.synchronize()
+            acks[sender][rank].put(True)
     else:
         offsets, total = [], 0
-        for s in param_shapes:
+        for shape in param_shapes:
             offsets.append(total)
-            total += shm.aligned(torch.Size(s).numel() * 4)
-        if device.type == "cpu":
-            path, buf = shm.create(total, "check")
-            handle = None
-        else:
-            path, buf = None, torch.zeros(total, dtype=torch.uint8, device=device)
-            handle = backend.export_device_buffer(buf)
-        arena_queue.put((rank, (path, handle, total, offsets)))
+            total += shm.aligned(torch.Size(shape).numel() * 4)
+        path, buf = shm.create(total, "check")
+        arena_queue.put((rank, (path, total, offsets)))
         params = [shm.view(buf, o, torch.float32, tuple(s)) for o, s in zip(offsets, param_shapes)]
         _wait_file(args, "done")
-        if path:
-            shm.release(path)
+        shm.release(path)
     want = _expected(shapes, rank, args.receivers, param_shapes)
     bad = [i for i, (p, w) in enumerate(zip(params, want)) if not torch.equal(p.cpu(), w)]
     results.put(("receiver", rank, len(bad), 0.0))
-    if args.transport != "p2p":
-        _wait_file(args, "exit")
+    _wait_file(args, "exit")
 
 
 def _expected(shapes: dict, rank: int, tp: int, param_shapes: list) -> list[torch.Tensor]:
@@ -237,29 +261,29 @@ def run(args) -> dict:
 
     ctx = mp.get_context("spawn")
     results, arena_queue = ctx.Queue(), ctx.Queue()
+    queues = ([ctx.Queue() for _ in range(args.receivers)],
+              [[ctx.Queue() for _ in range(args.receivers)] for _ in range(args.senders)])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args.flags = tempfile.mkdtemp(prefix="erl-sync-check-")
     procs, arenas_info = [], None
     for r in range(args.receivers):
-        procs.append(ctx.Process(target=_receiver, args=(r, args, port, arena_queue, results)))
+        procs.append(ctx.Process(target=_receiver, args=(r, args, port, arena_queue, queues, results)))
         procs[-1].start()
     if args.transport == "arena":
         got = dict(arena_queue.get(timeout=300) for _ in range(args.receivers))
         arenas_info = [got[r] for r in range(args.receivers)]
     for k in range(args.senders):
-        procs.append(ctx.Process(target=_sender, args=(k, args, port, arenas_info, results)))
+        procs.append(ctx.Process(target=_sender, args=(k, args, port, arenas_info, queues, results)))
         procs[-1].start()
-    if args.transport == "arena":
-        for _ in range(args.senders):
-            results.get(timeout=300)
-        (Path(args.flags) / "go").touch()
     rows = []
+    if args.transport != "p2p":  # the senders start together, once every process is up
+        rows = [results.get(timeout=300) for _ in range(args.senders)]
+        (Path(args.flags) / "go").touch()
     while len([r for r in rows if r[0] == "sender"]) < args.senders:
         rows.append(results.get(timeout=600))
-    if args.transport == "arena":
-        (Path(args.flags) / "done").touch()
+    (Path(args.flags) / "done").touch()
     while len([r for r in rows if r[0] == "receiver"]) < args.receivers:
         rows.append(results.get(timeout=600))
     (Path(args.flags) / "exit").touch()
@@ -308,7 +332,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if backend.has_gpu() else "cpu")
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--receivers", default="1,2,4")
-    ap.add_argument("--transports", default="p2p,arena")
+    ap.add_argument("--transports", default=None, help="p2p (a gloo/NCCL group), ipc (the senders' shared "
+                    "buffers: CUDA IPC, /dev/shm on CPU), arena (the receivers' /dev/shm arenas, CPU only); "
+                    "default: all that apply")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -328,7 +354,7 @@ def main(argv=None) -> int:
     print(json.dumps({"measure": "copy", "device": args.device, "gbytes": round(nbytes / 1e9, 4),
                       "gbps": round(copy, 3)}), flush=True)
     ok = True
-    for transport in args.transports.split(","):
+    for transport in (args.transports or ("p2p,ipc,arena" if args.device == "cpu" else "p2p,ipc")).split(","):
         for receivers in (int(r) for r in args.receivers.split(",")):
             if transport == "p2p" and args.device != "cpu" and len(backend.gpus()) < args.senders + receivers:
                 print(json.dumps({"transport": transport, "receivers": receivers, "skipped": "NCCL wants a GPU "

@@ -134,6 +134,11 @@ class RolloutEngine:
         """What each worker receives from which sender at every sliced broadcast sync."""
         self.llm.collective_rpc("erl_expect", args=(schedules,))
 
+    def load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list) -> int:
+        """One bucket of a sliced ``ipc`` sync into worker ``worker`` (senders take turns)."""
+        with self._setup_lock:
+            return sum(self.llm.collective_rpc("erl_load_pieces", args=(worker, sender, slot, handle, bucket)))
+
     def receive(self) -> int:
         """One sliced broadcast sync: every worker takes its buckets from its senders."""
         return sum(self.llm.collective_rpc("erl_receive"))

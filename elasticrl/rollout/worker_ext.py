@@ -82,32 +82,24 @@ class WeightReceiver:
         return self._erl_plans
 
     def erl_share_weights(self) -> dict:
-        """Move every parameter into one buffer another process on this node can map: a
-        /dev/shm file on CPU, device memory exported over CUDA IPC on a GPU. Returns how to
-        open it and each parameter's byte offset (the copy plans' destinations)."""
-        from elasticrl import backend
-
+        """Move every parameter into one /dev/shm arena that the trainer's ranks on this node map
+        (CPU engines; on GPUs the ``ipc`` transport maps the senders' buffers instead). Returns
+        its path and each parameter's byte offset (the copy plans' destinations)."""
         if getattr(self, "_erl_arena", None) is None:
             params = [p for _, p in self._erl_model().named_parameters()]
+            assert params[0].device.type == "cpu", "the shm arena is for CPU engines"
             offsets, total = [], 0
             for p in params:
                 offsets.append(total)
                 total += shm.aligned(p.numel() * p.element_size())
-            device = params[0].device
-            if device.type == "cpu":
-                path, arena = shm.create(total, "engine")
-                handle = None
-            else:
-                path, arena = None, torch.empty(total, dtype=torch.uint8, device=device)
+            path, arena = shm.create(total, "engine")
             for p, offset in zip(params, offsets):
                 view = shm.view(arena, offset, p.dtype, tuple(p.shape))
                 view.copy_(p.data)
                 p.data = view
-            if path is None:
-                handle = backend.export_device_buffer(arena)
-            self._erl_arena = {"path": path, "handle": handle, "nbytes": total, "offsets": offsets, "arena": arena}
+            self._erl_arena = {"path": path, "nbytes": total, "offsets": offsets, "arena": arena}
         a = self._erl_arena
-        return {k: a[k] for k in ("path", "handle", "nbytes", "offsets")}
+        return {k: a[k] for k in ("path", "nbytes", "offsets")}
 
     def erl_expect(self, schedules: dict) -> None:
         """What this worker receives at every sliced sync: (sender's group rank, bucket of
@@ -121,8 +113,11 @@ class WeightReceiver:
     def erl_receive(self) -> int:
         """Receive one sliced sync from the senders (``receive.receive_sliced``)."""
         params = [p for _, p in self._erl_model().named_parameters()]
+        need = max((n for _, _, n in self._erl_schedule[0]), default=0)
+        if getattr(self, "_erl_inbox", None) is None or self._erl_inbox.numel() < need:
+            self._erl_inbox = torch.empty(need, dtype=torch.uint8, device=params[0].device)
         try:
-            return receive.receive_sliced(self._erl_group, params, self._erl_schedule)
+            return receive.receive_sliced(self._erl_group, params, self._erl_schedule, self._erl_inbox)
         except BaseException:
             # close this worker's side: a sender blocked on it gets "connection closed" at once
             # instead of waiting out the group's timeout
@@ -131,6 +126,26 @@ class WeightReceiver:
             self._erl_group = None
             gc.collect()
             raise
+
+    def erl_load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list) -> int:
+        """One bucket of a sliced ``ipc`` sync for worker ``worker`` (the others return): copy its
+        pieces out of the sender's shared buffer (mapped once per sender and slot) into the
+        parameters, and finish before returning (the sender refills the buffer after)."""
+        from elasticrl import backend
+        from elasticrl.weights.slices import revive_bucket
+
+        if self._erl_tp_rank() != worker:
+            return 0
+        mapped = getattr(self, "_erl_mapped", {})
+        self._erl_mapped = mapped
+        key = (int(sender), int(slot))
+        plain = _plain(handle)
+        if key not in mapped or mapped[key][0] != plain:
+            mapped[key] = (plain, shm.open_shared(plain))
+        params = [p for _, p in self._erl_model().named_parameters()]
+        n = receive.copy_pieces(params, mapped[key][1], revive_bucket(bucket))
+        backend.synchronize()
+        return n
 
     def erl_release_shm(self, path: str) -> None:
         self._erl_buffers.pop(path, None)
@@ -174,6 +189,11 @@ class WeightReceiver:
     def erl_state_dict(self) -> dict[str, list]:
         """This worker's weights, small models only (tests compare slices with the trainer's)."""
         return {n: p.detach().cpu().float().tolist() for n, p in self._erl_model().named_parameters()}
+
+
+def _plain(handle):
+    """A handle as sent: vLLM's messages turn its tuples into lists."""
+    return [_plain(h) for h in handle] if isinstance(handle, (list, tuple)) else handle
 
 
 def _loader_of(mod):

@@ -41,16 +41,24 @@ def piece_view(buf: torch.Tensor, offset: int, piece) -> torch.Tensor:
     return shm.view(buf, offset, _DTYPES[piece.dtype], piece.shape)
 
 
-def receive_sliced(group, params: list[torch.Tensor], schedule) -> int:
+def receive_sliced(group, params: list[torch.Tensor], schedule, buf: torch.Tensor | None = None) -> int:
     """One sliced sync into a worker's parameters: its fills, then each bucket from its sender in
     the schedule's order (``slices.receive_order``), each piece copied where it belongs. One
-    thread, as NCCL wants."""
+    thread, as NCCL wants. ``buf``: a receive buffer kept between syncs (a fresh one per bucket
+    costs its page faults every time), at least as big as the biggest bucket."""
     queue, fills = schedule
     for piece in fills:
         param_view(params, piece).fill_(piece.fill)
+    if buf is None:
+        buf = torch.empty(max((n for _, _, n in queue), default=0), dtype=torch.uint8, device=params[0].device)
     for sender, bucket, nbytes in queue:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=params[0].device)
-        group.recv([buf], sender, 0).wait()
-        for piece, offset in bucket:
-            param_view(params, piece).copy_(piece_view(buf, offset, piece))
+        group.recv([buf[:nbytes]], sender, 0).wait()
+        copy_pieces(params, buf, bucket)
     return sum(n for _, _, n in queue)
+
+
+def copy_pieces(params: list[torch.Tensor], buf: torch.Tensor, bucket) -> int:
+    """Each (piece, offset) of a bucket from ``buf`` into its parameter."""
+    for piece, offset in bucket:
+        param_view(params, piece).copy_(piece_view(buf, offset, piece))
+    return sum(piece.nbytes for piece, _ in bucket)

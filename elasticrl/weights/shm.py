@@ -58,3 +58,26 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def share(nbytes: int, device) -> tuple[tuple, torch.Tensor]:
+    """A buffer another process on this node can map, and its handle (``open_shared``): a
+    /dev/shm file on CPU, a CUDA IPC handle of ordinary device memory on a GPU."""
+    from elasticrl import backend
+
+    if device.type == "cpu":
+        path, buf = create(nbytes, "pieces")
+        return ("shm", path, nbytes), buf
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return ("ipc", backend.export_device_buffer(buf)), buf
+
+
+def open_shared(handle: tuple) -> torch.Tensor:
+    from elasticrl import backend
+
+    return attach(handle[1], handle[2]) if handle[0] == "shm" else backend.open_device_buffer(handle[1])
+
+
+def unshare(handle: tuple) -> None:
+    if handle[0] == "shm":
+        release(handle[1])

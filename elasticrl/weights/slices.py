@@ -183,8 +183,11 @@ def receive_order(pieces_by_sender: dict[int, list[Piece]], order: dict[str, int
 def revive(schedule) -> tuple[list, list[Piece]]:
     """A schedule as it arrives in a worker process: vLLM's messages turn tuples into lists."""
     queue, fills = schedule
-    return ([(int(sender), [(Piece(*p), int(off)) for p, off in bucket], int(n)) for sender, bucket, n in queue],
-            [Piece(*p) for p in fills])
+    return [(int(sender), revive_bucket(bucket), int(n)) for sender, bucket, n in queue], [Piece(*p) for p in fills]
+
+
+def revive_bucket(bucket) -> list[tuple[Piece, int]]:
+    return [(Piece(*p), int(off)) for p, off in bucket]
 
 
 def source_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -224,3 +227,62 @@ class Outbox:
         if last:
             self.group.send([self.buf[:last]], self.dst, 0).wait()
         return piece.nbytes
+
+
+class SharedOutbox:
+    """One sender's buckets for one worker, handed over through two shared buffers in turn (CUDA
+    IPC on a GPU, /dev/shm on CPU): the sender fills one while the worker copies out of the
+    other. ``load(worker, sender, slot, handle, bucket)`` returns a Ray ref that is ready once
+    the worker copied that bucket out. The buffers are the sender's: vLLM's sleep-mode memory
+    cannot be exported over CUDA IPC, so the copies land in vLLM's own parameters, and sleep
+    and wake keep working."""
+
+    def __init__(self, load, sender: int, worker: int, pieces: list[Piece], bucket_bytes: int, device, wait=None):
+        """``wait(ref)``: block until the worker is done with a bucket (default ``ray.get``)."""
+        from elasticrl.weights import shm
+
+        self.load, self.sender, self.worker, self.pieces = load, sender, worker, pieces
+        self.wait = wait or _ray_get
+        self.where, size = {}, 1
+        for bucket in buckets(pieces, bucket_bytes):
+            size = max(size, bucket_nbytes(bucket))
+            for i, (piece, offset) in enumerate(bucket):
+                self.where[id(piece)] = (offset, bucket if i == len(bucket) - 1 else None)
+        self.buffers = [shm.share(size, device) for _ in range(2)]
+        self.turn, self.pending = 0, [None, None]
+
+    def put(self, piece: Piece, t: torch.Tensor) -> int:
+        from elasticrl import backend
+
+        if piece.fill is not None:
+            return 0  # constants: the padding the engine zeroed at load, which no sync writes
+        offset, bucket = self.where[id(piece)]
+        if self.pending[self.turn] is not None:  # the worker is done with this buffer's last bucket
+            self.wait(self.pending[self.turn])
+            self.pending[self.turn] = None
+        handle, buf = self.buffers[self.turn]
+        src = source_view(t, piece)
+        buf[offset: offset + piece.nbytes].view(src.dtype).view(piece.shape).copy_(src)
+        if bucket is not None:
+            backend.synchronize()  # the bytes are in before the worker reads them
+            self.pending[self.turn] = self.load(self.worker, self.sender, self.turn, handle, bucket)
+            self.turn = 1 - self.turn
+        return piece.nbytes
+
+    def finish(self) -> None:
+        for ref in self.pending:
+            if ref is not None:
+                self.wait(ref)
+        self.pending = [None, None]
+
+    def close(self) -> None:
+        from elasticrl.weights import shm
+
+        for handle, _ in self.buffers:
+            shm.unshare(handle)
+
+
+def _ray_get(ref):
+    import ray
+
+    return ray.get(ref)

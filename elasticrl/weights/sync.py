@@ -167,7 +167,8 @@ class WeightSender:
         self.sliced = self.plans = None
         self._buffers: list[tuple[str, torch.Tensor]] = []
         self._group = None
-        self._arenas = None  # shm/ipc: per engine, per worker, an Arena over its live parameters
+        self._arenas = None  # shm: per engine, per worker, an Arena over its live parameters
+        self._outboxes = None  # broadcast, ipc: what this rank sends each worker
         self._incarnations = None
         self.shm_mode = None
 
@@ -263,16 +264,23 @@ class WeightSender:
         """Every rank copies its pieces of each tensor as the tensor comes (one module at a time)."""
         mine = self._mine()
         by_name: dict[str, list] = {}
-        if self.transport == "broadcast":
-            if self._group is None:
+        if self.transport in ("broadcast", "ipc"):
+            device = backend.current_device()
+            if self._outboxes is None and self.transport == "broadcast":
                 self._ensure_group(self.world)
                 self._outboxes = [slices.Outbox(self._group, self._worker_rank(e, w), pieces, self.bucket_bytes,
-                                                backend.current_device()) for e, w, pieces in mine]
-            refs = [e.receive.remote() for e in self.engines] if self.rank == 0 else []
+                                                device) for e, w, pieces in mine]
+            elif self._outboxes is None:
+                self._outboxes = [slices.SharedOutbox(self.engines[e].load_pieces.remote, self.rank, w, pieces,
+                                                      self.bucket_bytes, device) for e, w, pieces in mine]
+            refs = [e.receive.remote() for e in self.engines] if self.rank == 0 and self._group else []
             for box in self._outboxes:
                 for piece in box.pieces:
                     by_name.setdefault(piece.name, []).append((box, piece))
             sent = _each_piece(iter_local_params(ds_engine), by_name, lambda box, piece, t: box.put(piece, t))
+            for box in self._outboxes:
+                if isinstance(box, slices.SharedOutbox):
+                    box.finish()
             ray.get(refs)
             return sent
         arenas = self._open_arenas({e for e, _, _ in mine})  # rank 0 stopped the engines before its broadcast
@@ -291,7 +299,8 @@ class WeightSender:
                 pass
             return 0
         size = max(self.bucket_bytes, shm.aligned(max_param_bytes(ds_engine)))
-        send = {"shm": self._send_shm, "ipc": self._send_shm, "shm_staged": self._send_staged,
+        # gathered ipc stages through host memory: vLLM's own parameters cannot be exported on a GPU
+        send = {"shm": self._send_shm, "ipc": self._send_staged, "shm_staged": self._send_staged,
                 "broadcast": self._send_broadcast, "files": self._send_files}[self.transport]
         try:
             send(params, size)
@@ -306,8 +315,7 @@ class WeightSender:
             self._arenas = {}
             for e in sorted(wanted):
                 workers = ray.get(self.engines[e].share_weights.remote())  # in tensor-parallel rank order
-                self._arenas[e] = [Arena(shm.attach(w["path"], w["nbytes"]) if w["path"] else
-                                         backend.open_device_buffer(w["handle"]), w["offsets"]) for w in workers]
+                self._arenas[e] = [Arena(shm.attach(w["path"], w["nbytes"]), w["offsets"]) for w in workers]
         return self._arenas
 
     # --- gathered: direct into the engines' parameters, else staged ----------------------
@@ -405,8 +413,10 @@ class WeightSender:
     # --- teardown -----------------------------------------------------------------------
     def _release_targets(self) -> None:
         """Forget the engines' buffers and group (their processes restarted)."""
-        self._arenas = None
-        self._group = None
+        for box in self._outboxes or ():
+            if isinstance(box, slices.SharedOutbox):
+                box.close()
+        self._arenas = self._outboxes = self._group = None
 
     def _release_buffers(self) -> None:
         for path, _ in self._buffers:

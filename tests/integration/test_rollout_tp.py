@@ -167,15 +167,17 @@ def _sync_and_compare(trainer, engines, infos, pools, transport, version, tmp_pa
 
 
 def test_autotp_slices_go_straight_into_tp2_and_tp1_engines(autotp_trainer, tp_pool, tp1_pool, tmp_path):
-    """AutoTP 2 -> engine TP 2 and 2 -> 1 in one sync, over shared memory and point to point:
-    each trainer rank sends its own slices only (rank 0 sent the whole model when it gathered)."""
+    """AutoTP 2 -> engine TP 2 and 2 -> 1 in one sync, into the engines' shared memory, point to
+    point, and through the senders' shared buffers: each trainer rank sends its own slices only
+    (rank 0 sent the whole model when it gathered)."""
     from elasticrl.weights.shards import iter_tensors
 
     full = sum(t.numel() * 4 for _, t in iter_tensors(resolve_paths(load_spec({}, SPEC))["model"]))
     local = autotp_trainer.call("__ray_call__", lambda w: sum(p.numel() * 4 for p in w.engine.module.parameters()))
     assert max(local) < 0.75 * full  # AutoTP really cut the model: each rank holds little more than half
     engines, infos = tp_pool.engines + tp1_pool.engines, tp_pool.infos + tp1_pool.infos
-    for version, transport in enumerate(("shm", "broadcast"), start=200):
+    # ipc: on a GPU through CUDA IPC, here through /dev/shm: the same buckets, messages and copies
+    for version, transport in enumerate(("shm", "broadcast", "ipc"), start=200):
         stats = _sync_and_compare(autotp_trainer, engines, infos, [tp_pool, tp1_pool], transport, version, tmp_path)
         sent = [gb * 1e9 for gb in stats["sync/sent_gbytes_by_rank"]]
         assert all(sent[k] <= 2 * local[k] for k in range(2)), (transport, sent, local)  # its slices, per engine

@@ -1,7 +1,8 @@
 """The bare mode of scripts/gpu_check.sh as far as a CPU takes it: scripts/sync_check.py moves
 AutoTP slices between plain processes into receivers laid out as vLLM's tensor-parallel workers
-(fused q/k/v and gate/up), over gloo point to point and over shared memory, checked bit-exact
-by the receivers against slices cut here from the full tensors."""
+(fused q/k/v and gate/up), over gloo point to point, through the senders' shared buffers (the
+ipc protocol, on /dev/shm) and into the receivers' shared-memory arenas, checked bit-exact by
+the receivers against slices cut here from the full tensors."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,8 @@ def test_two_senders_into_one_and_two_receivers_and_one_sender_into_two():
     full = 4 * (2 * 256 * 64 + 2 * (64 * 64 * 2 + 2 * 32 * 64 + 3 * 256 * 64 + 2 * 64) + 64)
     assert full == 4 * sum(torch_numel(s) for s in model_shapes(64, 2, 256, 4, 2).values())
     rows = _check("--senders", "2", "--receivers", "1,2")
-    assert [(r["transport"], r["receivers"]) for r in rows[1:]] == [("p2p", 1), ("p2p", 2), ("arena", 1), ("arena", 2)]
+    assert [(r["transport"], r["receivers"]) for r in rows[1:]] == [
+        ("p2p", 1), ("p2p", 2), ("ipc", 1), ("ipc", 2), ("arena", 1), ("arena", 2)]
     for r in rows[1:]:
         assert r["bit_exact"], r
         # every byte of the model reaches the receivers once, but the five norms (whole in every
