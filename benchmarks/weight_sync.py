@@ -46,6 +46,7 @@ def main() -> None:
         return senders(args)
     args.transports = args.transports or "shm,shm_staged,broadcast,files"
 
+    from elasticrl import backend
     from elasticrl.cluster import RoleGroup
     from elasticrl.cluster.session import ray_session
     from elasticrl.rollout.pool import RolloutPool
@@ -53,22 +54,26 @@ def main() -> None:
     from elasticrl.spec.schema import RaySpec
     from elasticrl.trainers.sft import SFTWorker, resolve_paths
 
+    # one GPU: the trainer and the engine share it, as in the hybrid engine (then only ipc applies:
+    # NCCL refuses two ranks on one device)
+    share = 0.5 if len(backend.gpus()) == 1 else 1.0
     spec = load_spec({}, [f"world.model_size={args.size}", "model.dtype=fp32", "train.num_ranks=1",
                           "train.zero_stage=0", "train.micro_batch_size=4", "train.global_batch_size=4",
-                          "rollout.max_model_len=64"])
+                          "rollout.max_model_len=64", "rollout.gpu_memory_utilization=0.4"])
     paths = resolve_paths(spec)
     files_dir = tempfile.mkdtemp(prefix="erl-bench-")
     results = []
     with ray_session(RaySpec(num_cpus=4)):
-        trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
+        trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths, gpus_per_rank=share)
         trainer.setup(10)
         nbytes = trainer.call("__ray_call__", lambda w: sum(p.numel() * p.element_size()
                                                             for p in w.engine.module.parameters()))[0]
         memcpy = trainer.call("__ray_call__", lambda w: _memcpy(w, nbytes, 7))[0]
         print(json.dumps({"measure": "memcpy", "gbytes": nbytes / 1e9, "gbps": round(memcpy, 3)}), flush=True)
-        for mode in args.modes.split(","):
-            rspec = load_spec(spec_to_dict(spec), [f"rollout.cpu_mode={mode}"]).rollout
-            pool = RolloutPool(paths["model"], rspec, "fp32", seed=0)
+        for mode in ["gpu"] if backend.has_gpu() else args.modes.split(","):
+            rspec = load_spec(spec_to_dict(spec), [] if mode == "gpu" else [f"rollout.cpu_mode={mode}"]).rollout
+            pool = RolloutPool(paths["model"], rspec, "fp32", seed=0,
+                               where={"gpus_per_rank": share, "cpus_per_rank": 1} if backend.has_gpu() else None)
             version = 0
             for transport in args.transports.split(","):
                 for bucket in (int(b) for b in args.buckets.split(",")):
@@ -90,7 +95,7 @@ def main() -> None:
     best = max(results, key=lambda r: r["gbps"])
     headline = {"benchmark": "weight_sync", "gbytes": round(nbytes / 1e9, 4), "memcpy_gbps": round(memcpy, 3),
                 "best": {k: best[k] for k in ("mode", "transport", "bucket_mb", "gbps", "ratio_to_memcpy")}}
-    for mode in args.modes.split(","):
+    for mode in ["gpu"] if backend.has_gpu() else args.modes.split(","):
         for transport in args.transports.split(","):
             rows = [r for r in results if r["mode"] == mode and r["transport"] == transport]
             if rows:

@@ -55,6 +55,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def transport_for(requested: str, one_node: bool) -> str:
     """``one_node``: every trainer rank and every engine on one node."""
+    if requested == "shm" and backend.has_gpu():
+        raise ValueError("rollout.weight_sync: shm writes into CPU engines' memory; on GPUs use ipc (one node) "
+                         "or broadcast")
     if requested != "auto":
         return requested
     if one_node:
