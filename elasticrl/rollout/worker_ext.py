@@ -78,7 +78,7 @@ class WeightReceiver:
 
         if getattr(self, "_erl_plans", None) is None:
             plans, unplanned = record_copy_plans(self._erl_model(), model_path)
-            self._erl_plans = {"plans": plans, "unplanned": unplanned, "tp_rank": self._erl_tp_rank()}
+            self._erl_plans = {"plans": plans, "unplanned": unplanned}
         return self._erl_plans
 
     def erl_share_weights(self) -> dict:

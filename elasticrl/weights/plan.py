@@ -119,12 +119,12 @@ class Arena:
     memory opened over CUDA IPC), with each parameter's byte offset in it."""
 
     def __init__(self, buffer: torch.Tensor, offsets: list[int]):
-        self.typed = {name: buffer.view(dt) for name, dt in _DTYPES_BY_NAME.items()}
+        from elasticrl.weights.shm import DTYPES
+
+        self.typed = {name: buffer.view(dt) for name, dt in DTYPES.items()}
         self.offsets = offsets
 
     def view(self, param: int, offset: int, shape, strides, dtype: str) -> torch.Tensor:
         typed = self.typed[dtype]
         return typed.as_strided(shape, strides, (self.offsets[param] + offset) // typed.element_size())
 
-
-_DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,7 +7,6 @@ import torch
 from elasticrl.weights import shm
 from elasticrl.weights.group import broadcast
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def from_shm(cache: dict, path: str, nbytes: int, metas: list) -> list[tuple[str, torch.Tensor]]:
@@ -15,14 +14,14 @@ def from_shm(cache: dict, path: str, nbytes: int, metas: list) -> list[tuple[str
     buf = cache.get(path)
     if buf is None:
         buf = cache[path] = shm.attach(path, nbytes)
-    return [(name, shm.view(buf, off, _DTYPES[dt], tuple(shape))) for name, dt, shape, off in metas]
+    return [(name, shm.view(buf, off, shm.DTYPES[dt], tuple(shape))) for name, dt, shape, off in metas]
 
 
 def from_broadcast(group, metas: list, nbytes: int, device) -> list[tuple[str, torch.Tensor]]:
     """Receive one bucket broadcast from rank 0 of the weight group."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     broadcast(group, buf)
-    return [(name, shm.view(buf, off, _DTYPES[dt], tuple(shape))) for name, dt, shape, off in metas]
+    return [(name, shm.view(buf, off, shm.DTYPES[dt], tuple(shape))) for name, dt, shape, off in metas]
 
 
 def nbytes_of(weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -32,13 +31,13 @@ def nbytes_of(weights: list[tuple[str, torch.Tensor]]) -> int:
 def param_view(params: list[torch.Tensor], piece) -> torch.Tensor:
     """Where a piece (``slices.Piece``) lands in a worker's parameter."""
     p = params[piece.param].data  # not the Parameter: writing into a leaf that requires grad is refused
-    assert _DTYPES[piece.dtype] == p.dtype, (piece.name, piece.dtype, p.dtype)
+    assert shm.DTYPES[piece.dtype] == p.dtype, (piece.name, piece.dtype, p.dtype)
     return p.as_strided(piece.shape, piece.dst_strides, p.storage_offset() + piece.dst_off // p.element_size())
 
 
 def piece_view(buf: torch.Tensor, offset: int, piece) -> torch.Tensor:
     """A piece as packed in a received bucket (contiguous at ``offset``)."""
-    return shm.view(buf, offset, _DTYPES[piece.dtype], piece.shape)
+    return shm.view(buf, offset, shm.DTYPES[piece.dtype], piece.shape)
 
 
 def receive_sliced(group, params: list[torch.Tensor], schedule, buf: torch.Tensor | None = None) -> int:

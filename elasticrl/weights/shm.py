@@ -11,6 +11,7 @@ import torch
 
 SHM_ROOT = Path(os.environ.get("ELASTICRL_SHM_DIR", "/dev/shm"))
 ALIGN = 64  # bytes; keeps every view aligned for vector loads
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in messages
 
 
 def create(nbytes: int, tag: str = "weights") -> tuple[str, torch.Tensor]:

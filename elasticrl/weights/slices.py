@@ -58,10 +58,21 @@ class Piece(NamedTuple):
         n = 1
         for s in self.shape:
             n *= s
-        return 0 if self.fill is not None else n * _ITEMSIZE[self.dtype]
+        return 0 if self.fill is not None else n * _itemsize(self.dtype)
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+def _itemsize(dtype: str) -> int:
+    from elasticrl.weights.shm import DTYPES
+
+    return DTYPES[dtype].itemsize
+
+
+def copy_nbytes(copy: Copy) -> int:
+    """The bytes a copy of a copy plan writes (a fill: none)."""
+    n = 1
+    for s in copy[3]:
+        n *= s
+    return 0 if copy[0] == "fill" else n * _itemsize(copy[5])
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -123,7 +134,7 @@ def worker_pieces(plans: dict[str, list[Copy]], layouts: dict[str, Layout], tp_s
                     continue
                 piece = Piece(name, tuple(hi - lo for lo, hi in cut),
                               sum((lo - m) * s for (lo, _), (m, _), s in zip(cut, mine, local)), local, param,
-                              dst_off + _ITEMSIZE[dtype] * sum((lo - w) * s for (lo, _), (w, _), s in
+                              dst_off + _itemsize(dtype) * sum((lo - w) * s for (lo, _), (w, _), s in
                                                                zip(cut, wanted, dst_strides)),
                               tuple(dst_strides), dtype)
                 out[k].append(piece)
@@ -145,6 +156,16 @@ def buckets(pieces: list[Piece], bucket_bytes: int) -> list[list[tuple[Piece, in
         out[-1].append((p, offset))
         offset = _aligned(offset + p.nbytes)
     return [b for b in out if b]
+
+
+def places(pieces: list[Piece], bucket_bytes: int) -> tuple[dict[int, tuple], int]:
+    """{id(piece): (offset, its bucket when the piece ends it, else None)} and the biggest bucket."""
+    where, size = {}, 0
+    for bucket in buckets(pieces, bucket_bytes):
+        size = max(size, bucket_nbytes(bucket))
+        for i, (piece, offset) in enumerate(bucket):
+            where[id(piece)] = (offset, bucket if i == len(bucket) - 1 else None)
+    return where, size
 
 
 def bucket_nbytes(bucket: list[tuple[Piece, int]]) -> int:
@@ -212,20 +233,17 @@ class Outbox:
     def __init__(self, group, dst: int, pieces: list[Piece], bucket_bytes: int, device):
         self.group, self.dst = group, dst
         self.pieces = pieces
-        self.slots = {}
-        for bucket in buckets(pieces, bucket_bytes):
-            for i, (piece, offset) in enumerate(bucket):
-                self.slots[id(piece)] = (offset, bucket_nbytes(bucket) if i == len(bucket) - 1 else 0)
-        self.buf = torch.empty(max((n for _, n in self.slots.values()), default=0), dtype=torch.uint8, device=device)
+        self.where, size = places(pieces, bucket_bytes)
+        self.buf = torch.empty(size, dtype=torch.uint8, device=device)
 
     def put(self, piece: Piece, t: torch.Tensor) -> int:
         if piece.fill is not None:
             return 0  # the worker applies constants itself
-        offset, last = self.slots[id(piece)]
+        offset, bucket = self.where[id(piece)]
         src = source_view(t, piece)
         self.buf[offset: offset + piece.nbytes].view(src.dtype).view(piece.shape).copy_(src)
-        if last:
-            self.group.send([self.buf[:last]], self.dst, 0).wait()
+        if bucket is not None:
+            self.group.send([self.buf[:bucket_nbytes(bucket)]], self.dst, 0).wait()
         return piece.nbytes
 
 
@@ -243,12 +261,8 @@ class SharedOutbox:
 
         self.load, self.sender, self.worker, self.pieces = load, sender, worker, pieces
         self.wait = wait or _ray_get
-        self.where, size = {}, 1
-        for bucket in buckets(pieces, bucket_bytes):
-            size = max(size, bucket_nbytes(bucket))
-            for i, (piece, offset) in enumerate(bucket):
-                self.where[id(piece)] = (offset, bucket if i == len(bucket) - 1 else None)
-        self.buffers = [shm.share(size, device) for _ in range(2)]
+        self.where, size = places(pieces, bucket_bytes)
+        self.buffers = [shm.share(max(size, 1), device) for _ in range(2)]
         self.turn, self.pending = 0, [None, None]
 
     def put(self, piece: Piece, t: torch.Tensor) -> int:

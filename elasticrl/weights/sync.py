@@ -16,8 +16,9 @@ Transports, chosen by ``transport_for`` from where the two sides live:
 - ``shm``: engines on the trainer's node (CPU). Each engine worker keeps its parameters in a
   /dev/shm arena and publishes copy plans (``plan.py``); senders write straight into the live
   parameters, slices and fusions included: one memcpy per sync.
-- ``ipc``: the same over CUDA IPC, for engines on the trainer's node with GPUs (colocated on the
-  trainer's own devices, where NCCL refuses two ranks on one device).
+- ``ipc``: engines on the trainer's node with GPUs (colocated on the trainer's own devices, where
+  NCCL refuses two ranks on one device): buckets of pieces in the senders' own buffers, mapped
+  by the workers over CUDA IPC and copied into vLLM's parameters (``slices.SharedOutbox``).
 - ``shm_staged``: the same node, through two staging buffers that rank 0 fills in turn while
   the engines load the other with vLLM's loaders (gathered; for loaders that transform).
 - ``broadcast``: a process group of the senders and every engine worker (gloo on CPU, NCCL on
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("shm", "ipc", "shm_staged", "broadcast", "files")
 SLICED = ("shm", "ipc", "broadcast")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def transport_for(requested: str, one_node: bool) -> str:
@@ -208,7 +208,7 @@ class WeightSender:
         dist.all_gather(everyone, coords)
         self.rank_of = {(int(c[0]), int(c[1])): r for r, c in enumerate(everyone)}
         self.me = (dp_rank, int(coords[1]))
-        engine_bytes = [sum(_copy_bytes(c) for w in workers for cs in w["plans"].values() for c in cs)
+        engine_bytes = [sum(slices.copy_nbytes(c) for w in workers for cs in w["plans"].values() for c in cs)
                         for workers in self.plans]
         self.replica_of = slices.assign(engine_bytes, dp_size)
         load = {d: [0] * self.tp for d in range(dp_size)}
@@ -475,13 +475,6 @@ def _ints(values) -> torch.Tensor:
     return torch.tensor([int(v) for v in values], dtype=torch.int64, device=backend.current_device())
 
 
-def _copy_bytes(copy) -> int:
-    n = 1
-    for s in copy[3]:
-        n *= s
-    return 0 if copy[0] == "fill" else n * torch.tensor([], dtype=getattr(torch, copy[5])).element_size()
-
-
 def _on_live(refs) -> None:
     """Wait for calls on engines, of which some may have died (the pool replaces those)."""
     for ref in list(refs):
@@ -515,7 +508,7 @@ def _fill_buckets(params, buffers: list[torch.Tensor], size: int):
             k, offset, metas = k + 1, 0, []
         buf = buffers[k % len(buffers)]
         shm.view(buf, offset, t.dtype, tuple(t.shape)).copy_(t)
-        metas.append((name, _DTYPE_NAMES[t.dtype], list(t.shape), offset))
+        metas.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
         offset = shm.aligned(offset + n)
     if metas:
         yield metas, offset
