@@ -6,6 +6,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/benchmarks/.trl-venv"
+if [[ ! -x "$root/.venv/bin/python" ]]; then
+  echo "trl_env.sh: the product's .venv is missing (TRL takes its transformers version): run make install first" >&2
+  exit 2
+fi
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null || py=python3
 flavour=cpu

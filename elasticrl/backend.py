@@ -110,18 +110,12 @@ def resolve_dtype(name: str) -> str:
     return name
 
 
-def rollout_env(tp_size: int, kv_cache_gib: float, threads: int) -> dict[str, str]:
+def rollout_env(tp_size: int, threads: int) -> dict[str, str]:
     """Environment a vLLM engine process needs, set before vLLM is imported."""
     quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if has_gpu():
         return quiet
-    gib = max(1, int(round(kv_cache_gib)))  # vLLM's CPU build takes whole GiB
-    if gib != kv_cache_gib:
-        log.warning("rollout.kv_cache_gib: %g is not a whole number of GiB, which vLLM's CPU build needs; "
-                    "engines use %d", kv_cache_gib, gib)
     env = {**quiet,
-        # Unset, vLLM's CPU build sizes its KV cache from free memory (15 GiB seen for a tiny model).
-        "VLLM_CPU_KVCACHE_SPACE": str(gib),
         "OMP_NUM_THREADS": str(threads),
         # vLLM would pin each worker to cores (and, with TP > 1, demand a NUMA node per worker);
         # engines share the machine with trainers, so let the OS schedule them.
@@ -133,14 +127,17 @@ def rollout_env(tp_size: int, kv_cache_gib: float, threads: int) -> dict[str, st
     return env
 
 
-def rollout_kwargs(gpu_memory_utilization: float, max_model_len: int) -> dict:
-    """vLLM ``LLM(...)`` arguments that depend on the device. On CPU: no CUDA graphs, and no
-    chunked prefill: a prompt whose prefill is split over two scheduler steps makes vLLM
-    rewind its seeded generator, which a CPU generator cannot do ("CPU Generator does not use
-    offset"; seen once a step's prompts exceed the 4096-token budget)."""
+def rollout_kwargs(gpu_memory_utilization: float, kv_cache_gib: float, max_model_len: int) -> dict:
+    """vLLM ``LLM(...)`` arguments that depend on the device. On CPU: the KV cache's size (unset,
+    vLLM's CPU build takes it from free memory: 15 GiB seen for a tiny model; its
+    VLLM_CPU_KVCACHE_SPACE takes whole GiB only), no CUDA graphs, and no chunked prefill: a
+    prompt whose prefill is split over two scheduler steps makes vLLM rewind its seeded
+    generator, which a CPU generator cannot do ("CPU Generator does not use offset"; seen
+    once a step's prompts exceed the 4096-token budget)."""
     if has_gpu():
         return {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
-    return {"enforce_eager": True, "enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30), "enforce_eager": True,
+            "enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
 def cpu_rollout_mode(requested: str) -> str:

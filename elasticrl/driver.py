@@ -58,7 +58,8 @@ def cpu_layout(spec_path, overrides: list[str], job):
     if backend.has_gpu() or launched:
         return job, {}
     cores = min(machine_cores(), job.ray.num_cpus or machine_cores())
-    settings = plan_cpu(job, cores, available_gb(), explicit_fields(read_raw(spec_path, overrides)))
+    value_bytes = 2 if backend.resolve_dtype(job.model.dtype) == "bf16" else 4
+    settings = plan_cpu(job, cores, available_gb(), explicit_fields(read_raw(spec_path, overrides)), value_bytes)
     return (load_spec(spec_path, overrides + as_overrides(settings)) if settings else job), settings
 
 

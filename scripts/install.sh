@@ -41,5 +41,13 @@ if [[ -n "$problems" && "$problems" != "No broken requirements found." ]]; then
   echo "[install] pip check found the conflicts above" >&2
   exit 1
 fi
+if [[ $flavour == cpu ]]; then
+  # DeepSpeed JIT-builds its CPU shared-memory all-reduce when a rank first starts (76 s on 2
+  # cores): build it now, where runs look for it (cluster/session.py worker_env), so a first
+  # job does not spend its start-up compiling.
+  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" PATH="$venv/bin:$PATH" "$venv/bin/python" -c \
+    "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load(verbose=False)" \
+    > /dev/null
+fi
 echo "$want" > "$stamp"
 echo "[install] done" >&2

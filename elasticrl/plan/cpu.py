@@ -8,7 +8,11 @@ thread each, one per core, as far as memory allows (vLLM's CPU decode at small b
 scales better over engines than over threads: on the step benchmark's 44m model, two
 engines of one thread rolled out a step in 5.0 s where one engine of two took 9.0; see
 benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
-alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step).
+alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step). KV cache: each engine's
+holds its share of a step's sequences at full length (``kv_cache_gib``), not vLLM's 1 GiB
+floor of whole GiB: the step benchmark's two engines need 0.31 GiB each in fp32, and a cache
+sized so generated as fast as one of 1 GiB (20.8 s against 18.8-19.5 s for 32 x 128 tokens;
+one of 0.06 GiB, which makes vLLM preempt, took 31.7 s).
 
 Fields the user set (in the spec or with ``--set``) are kept. The choices come back as
 field values, which ``planner.as_overrides`` turns into ``--set`` overrides as the GPU
@@ -16,13 +20,19 @@ planner's are, so the resolved spec.yaml holds them.
 """
 from __future__ import annotations
 
+import math
 import os
 
+from elasticrl.plan.arch import arch_of
 from elasticrl.plan.roles import job_roles
+from elasticrl.spec.algorithms import ALGORITHMS
 from elasticrl.spec.schema import JobSpec
 
 ENGINE_GB = 2.0   # one in-process vLLM CPU engine besides its KV cache (measured 1.7-1.9 GB RSS)
 ENGINE_SHARE = 0.5  # of the available memory, the most the engines may take together
+KV_MARGIN = 1.25    # over the KV bytes of an engine's share of the sequences at full length
+KV_BLOCK = 128      # tokens per block of vLLM's CPU KV cache: a sequence takes whole blocks
+KV_STEP_GIB = 1 / 32
 
 
 def machine_cores() -> int:
@@ -44,8 +54,26 @@ def available_gb() -> float | None:
     return None
 
 
-def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict) -> dict:
-    """Field -> value for the layout fields the user left open (``pinned``: those set)."""
+def kv_cache_gib(spec: JobSpec, engines: int, value_bytes: int) -> float | None:
+    """KV cache for one of ``engines`` engines: its share of a step's (or a round's) sequences
+    at ``rollout.max_model_len``, with a margin, in steps of 1/32 GiB (an evaluation's
+    sequences are shorter; more than fit wait for room); None where the model's architecture
+    is not known here."""
+    try:
+        per_token = arch_of(spec.model.path, spec.world.model_size).kv_bytes_per_token(value_bytes)
+    except ValueError:
+        return None
+    rounds = ALGORITHMS[spec.algorithm].family == "rounds"
+    prompts = spec.rounds.prompts_per_round if rounds else spec.rl.prompts_per_step
+    seqs = math.ceil(prompts * spec.rl.samples_per_prompt / engines)
+    tokens = math.ceil(spec.rollout.max_model_len / KV_BLOCK) * KV_BLOCK
+    need = KV_MARGIN * seqs * tokens * per_token / 2**30
+    return math.ceil(need / KV_STEP_GIB) * KV_STEP_GIB
+
+
+def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict, value_bytes: int = 4) -> dict:
+    """Field -> value for the layout fields the user left open (``pinned``: those set);
+    ``value_bytes``: of the model's dtype, 2 in bf16."""
     roles, t, r = job_roles(spec), spec.train, spec.rollout
     out: dict = {}
     if "train.num_ranks" not in pinned and t.tp_size == 1:  # one rank takes any batch the spec's ranks take
@@ -54,11 +82,18 @@ def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict) -
     if "train.threads" not in pinned:
         out["train.threads"] = max(1, cores // ranks)
     if "rollout" in roles:
+        def kv(n: int) -> float:
+            sized = None if "rollout.kv_cache_gib" in pinned else kv_cache_gib(spec, n, value_bytes)
+            return r.kv_cache_gib if sized is None else sized
+
         engines = r.num_engines
         if "rollout.num_engines" not in pinned:
-            fit = cores if memory_gb is None else int(memory_gb * ENGINE_SHARE // (ENGINE_GB + r.kv_cache_gib))
-            engines = max(1, min(cores // r.tp_size, fit, spec.rl.prompts_per_step))
+            engines = max(1, min(cores // r.tp_size, spec.rl.prompts_per_step))
+            budget = float("inf") if memory_gb is None else memory_gb * ENGINE_SHARE
+            while engines > 1 and engines * (ENGINE_GB + kv(engines)) > budget:
+                engines -= 1
             out["rollout.num_engines"] = engines
+        out["rollout.kv_cache_gib"] = kv(engines)
         if "rollout.cpus_per_engine" not in pinned and "rollout.num_engines" not in pinned:
             out["rollout.cpus_per_engine"] = max(1, cores // (engines * r.tp_size))
     return {k: v for k, v in out.items() if v != _current(spec, k)}

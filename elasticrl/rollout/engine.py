@@ -29,10 +29,12 @@ SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_tokens", "stop", "mi
 
 class RolloutEngine:
     def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
-                 cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, trust_remote_code: bool):
+                 cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, kv_cache_gib: float,
+                 trust_remote_code: bool):
         self.model_path = model_path
         self.args = dict(tp_size=tp_size, dtype=backend.resolve_dtype(dtype), seed=seed, max_model_len=max_model_len,
-                         gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code)
+                         gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
+                         trust_remote_code=trust_remote_code)
         self.cpu_mode = backend.cpu_rollout_mode(cpu_mode)
         self.cpu_sleep = cpu_sleep
         self.gate = SyncGate()
@@ -58,7 +60,7 @@ class RolloutEngine:
                        # An engine's TP workers live on its node, as processes of this actor
                        # (inside Ray, vLLM would otherwise pick its Ray executor).
                        distributed_executor_backend="mp" if a["tp_size"] > 1 else None,
-                       **backend.rollout_kwargs(a["gpu_memory_utilization"], a["max_model_len"]))
+                       **backend.rollout_kwargs(a["gpu_memory_utilization"], a["kv_cache_gib"], a["max_model_len"]))
         self.prepared = self.llm.collective_rpc("erl_prepare", args=(self.model_path, self.cpu_mode))[0]
         self.start_seconds = time.time() - t0
         self.incarnation += 1

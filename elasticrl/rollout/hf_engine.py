@@ -18,7 +18,8 @@ from elasticrl.weights import receive
 
 class HFRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
-                 cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, trust_remote_code: bool):
+                 cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, kv_cache_gib: float,
+                 trust_remote_code: bool):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if tp_size != 1:

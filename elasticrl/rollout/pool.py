@@ -89,11 +89,12 @@ class RolloutPool:
         by default each engine gets its own devices. ``wait=False``: return while the engines
         start (the caller builds its other roles meanwhile) and call ``ready`` before use."""
         self.spec = spec
-        env = backend.rollout_env(spec.tp_size, spec.kv_cache_gib, spec.cpus_per_engine)
+        env = backend.rollout_env(spec.tp_size, spec.cpus_per_engine)
         where = where or {"gpus_per_rank": spec.tp_size, "cpus_per_rank": spec.cpus_per_engine}
         self.group = RoleGroup(
             "rollout", engine_class(spec.backend), spec.num_engines, model_path, spec.tp_size, dtype, seed,
-            spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, trust_remote_code,
+            spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, spec.kv_cache_gib,
+            trust_remote_code,
             **where,
             # Threads let generation wait while a weight sync is in progress (see engine.py).
             actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})

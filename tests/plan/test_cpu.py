@@ -15,24 +15,37 @@ def _plan(path, sets=(), cores=2, memory_gb=20.0):
 
 
 def test_a_grpo_spec_without_a_layout_gets_one_rank_with_every_core_and_an_engine_per_core():
-    # 2 cores, 20 GB: 1 rank x 2 threads; engines min(2 cores, 20 x 0.5 // (2 + 1 GiB KV) = 3, 16 prompts) = 2,
+    # KV cache per engine: its share of 16 x 4 sequences, each ceil(256 / 128) = 2 blocks of 128 tokens, at
+    # 2 (K, V) x 14 layers x 4 KV heads x 64 x 4 bytes (fp32) = 28672 bytes a token, x 1.25, up to 1/32 GiB.
+    # 2 engines: 1.25 x 32 x 256 x 28672 / 2**30 = 0.2734 -> 9/32 GiB
+    # 2 cores, 20 GB: 1 rank x 2 threads; engines min(2 cores, 16 prompts) = 2, 2 x (2 + 0.28) <= 10 GB,
     # each of 2 // 2 = 1 thread (1 is the spec's default already, so not listed)
-    assert _plan(BENCH) == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2}
-    # 16 cores, 64 GB: engines limited by memory, 64 x 0.5 // 3 = 10, each of 16 // 10 = 1 thread
+    assert _plan(BENCH) == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2,
+                            "rollout.kv_cache_gib": 9 / 32}
+    # 16 cores, 64 GB: 16 engines (4 sequences each: 0.0342 -> 2/32 GiB) need 16 x 2.0625 = 33 > 32 GB;
+    # 15 (5 sequences each: 0.0427 -> 2/32) need 30.9, each of 16 // 15 = 1 thread
     assert _plan(BENCH, cores=16, memory_gb=64) == {"train.num_ranks": 1, "train.threads": 16,
-                                                    "rollout.num_engines": 10}
-    # 8 cores, 7 GB: 7 x 0.5 // 3 = 1 engine, of 8 threads
+                                                    "rollout.num_engines": 15, "rollout.kv_cache_gib": 2 / 32}
+    # 8 cores, 7 GB: 2 engines need 2 x 2.28 > 3.5; 1 engine of 8 threads holds all 64 sequences:
+    # 1.25 x 64 x 256 x 28672 / 2**30 = 0.547 -> 18/32 GiB
     assert _plan(BENCH, cores=8, memory_gb=7) == {"train.num_ranks": 1, "train.threads": 8,
-                                                  "rollout.cpus_per_engine": 8}
+                                                  "rollout.cpus_per_engine": 8, "rollout.kv_cache_gib": 18 / 32}
+    # bf16 halves the bytes: 0.1367 -> 5/32 GiB
+    raw = read_raw(BENCH, [])
+    assert plan_cpu(load_spec(raw, check_paths=False), 2, 20.0, explicit_fields(raw), value_bytes=2)[
+        "rollout.kv_cache_gib"] == 5 / 32
+    # a rounds algorithm's batch is a round: 80 prompts x 4 / 2 engines = 160 sequences -> 1.367 -> 44/32 GiB
+    assert _plan(BENCH, ["algorithm=rejection_sampling", "rounds.prompts_per_round=80"])[
+        "rollout.kv_cache_gib"] == 44 / 32
 
 
 def test_fields_the_user_set_are_kept():
-    # two ranks asked: each gets 8 // 2 = 4 threads; engines asked: their threads stay the user's
-    got = _plan(BENCH, ["train.num_ranks=2", "rollout.num_engines=1"], cores=8)
+    # two ranks asked: each gets 8 // 2 = 4 threads; engines and KV cache asked: kept
+    got = _plan(BENCH, ["train.num_ranks=2", "rollout.num_engines=1", "rollout.kv_cache_gib=2"], cores=8)
     assert got == {"train.threads": 4}
-    # 4 cores, 20 GB: min(4 cores, 20 x 0.5 // 3 = 3) engines
+    # 4 cores, 20 GB: min(4 cores, 16 prompts) = 4 engines of 16 sequences (0.137 -> 5/32 GiB)
     assert _plan(BENCH, ["train.threads=1", "rollout.cpus_per_engine=1"], cores=4) == {
-        "train.num_ranks": 1, "rollout.num_engines": 3}
+        "train.num_ranks": 1, "rollout.num_engines": 4, "rollout.kv_cache_gib": 5 / 32}
     # AutoTP asks for its ranks
     assert "train.num_ranks" not in _plan(BENCH, ["train.tp_size=2", "train.num_ranks=2"])
 
@@ -45,10 +58,12 @@ def test_a_job_without_rollouts_only_gets_its_trainer_layout():
 def test_run_applies_the_layout(monkeypatch):
     monkeypatch.setattr("elasticrl.plan.cpu.machine_cores", lambda: 2)
     monkeypatch.setattr("elasticrl.plan.cpu.available_gb", lambda: 20.0)
-    job, layout = cpu_layout(BENCH, ["rl.num_steps=2"], load_spec(BENCH, ["rl.num_steps=2"]))
+    sets = ["rl.num_steps=2", "model.dtype=fp32"]  # fp32: the KV cache's size does not depend on this CPU
+    job, layout = cpu_layout(BENCH, sets, load_spec(BENCH, sets))
     t, r = job.train, job.rollout
     assert (t.num_ranks, t.threads, r.num_engines, r.cpus_per_engine, job.rl.num_steps) == (1, 2, 2, 1, 2)
-    assert layout == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2}
+    assert layout == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2,
+                      "rollout.kv_cache_gib": 9 / 32}
     # ray.num_cpus caps the cores the layout counts
     job, _ = cpu_layout(BENCH, ["ray.num_cpus=1"], load_spec(BENCH, ["ray.num_cpus=1"]))
     assert (job.train.threads, job.rollout.num_engines) == (1, 1)

@@ -149,3 +149,16 @@ def test_readme_documents_every_field():
     readme = (EXAMPLES.parent / "README.md").read_text()
     missing = [path for path, _, _ in describe() if f"| `{path}` |" not in readme]
     assert missing == [], f"README's spec reference lacks {missing}; regenerate: elasticrl spec --markdown"
+
+
+def test_every_shipped_spec_loads_and_its_reward_functions_import():
+    # the step benchmark's spec once named a reward function that had been renamed, and failed only when run
+    from elasticrl.rewards.functions import load_function
+    from elasticrl.rewards.verifiers import function_path
+
+    shipped = sorted(EXAMPLES.glob("*.yaml")) + sorted((EXAMPLES.parent / "benchmarks").glob("*.yaml"))
+    assert len(shipped) > 5
+    for path in shipped:
+        spec = load_spec(path, check_paths=False)
+        for i, f in enumerate(spec.rewards.functions):
+            assert callable(load_function(function_path(f.path, spec), f"{path.name}: rewards.functions[{i}]"))
