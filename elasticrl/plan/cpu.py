@@ -32,6 +32,7 @@ ENGINE_GB = 2.0   # one in-process vLLM CPU engine besides its KV cache (measure
 ENGINE_SHARE = 0.5  # of the available memory, the most the engines may take together
 KV_MARGIN = 1.25    # over the KV bytes of an engine's share of the sequences at full length
 KV_BLOCK = 128      # tokens per block of vLLM's CPU KV cache: a sequence takes whole blocks
+MAX_SEQS = 256      # sequences a vLLM CPU engine decodes at once (its max_num_seqs default)
 KV_STEP_GIB = 1 / 32
 
 
@@ -55,19 +56,25 @@ def available_gb() -> float | None:
 
 
 def kv_cache_gib(spec: JobSpec, engines: int, value_bytes: int) -> float | None:
-    """KV cache for one of ``engines`` engines: its share of a step's (or a round's) sequences
-    at ``rollout.max_model_len``, with a margin, in steps of 1/32 GiB (an evaluation's
-    sequences are shorter; more than fit wait for room); None where the model's architecture
-    is not known here."""
+    """KV cache for one of ``engines`` engines, in steps of 1/32 GiB, with a margin: room for
+    its share of a step's (or a round's) sequences at ``rollout.max_model_len``, or of an
+    evaluation's at one block each (short prompts and answers), whichever is more, at most
+    the sequences vLLM decodes at once; None where the model's architecture is not known here."""
     try:
         per_token = arch_of(spec.model.path, spec.world.model_size).kv_bytes_per_token(value_bytes)
     except ValueError:
         return None
+
+    def seqs(total: int) -> int:
+        return min(MAX_SEQS, math.ceil(total / engines))
+
     rounds = ALGORITHMS[spec.algorithm].family == "rounds"
     prompts = spec.rounds.prompts_per_round if rounds else spec.rl.prompts_per_step
-    seqs = math.ceil(prompts * spec.rl.samples_per_prompt / engines)
-    tokens = math.ceil(spec.rollout.max_model_len / KV_BLOCK) * KV_BLOCK
-    need = KV_MARGIN * seqs * tokens * per_token / 2**30
+    blocks = seqs(prompts * spec.rl.samples_per_prompt) * math.ceil(spec.rollout.max_model_len / KV_BLOCK)
+    if spec.eval.enabled:
+        evals = (spec.eval.num_prompts or MAX_SEQS) * spec.rl.eval_samples
+        blocks = max(blocks, seqs(evals) * math.ceil(spec.eval.max_new_tokens / KV_BLOCK))
+    need = KV_MARGIN * blocks * KV_BLOCK * per_token / 2**30
     return math.ceil(need / KV_STEP_GIB) * KV_STEP_GIB
 
 

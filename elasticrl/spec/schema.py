@@ -123,7 +123,8 @@ class RolloutSpec:
     max_model_len: int = doc("Longest prompt + completion an engine accepts, in tokens.", 512, min=8)
     kv_cache_gib: float = doc("KV-cache size of a CPU engine, GiB (vLLM would otherwise take most free memory); "
                               "`elasticrl run` sizes it when the spec does not: the engine's share of a step's "
-                              "sequences at rollout.max_model_len, plus a quarter.", 1.0, min=0, exclusive_min=True)
+                              "sequences at rollout.max_model_len (or of an evaluation's, if more), plus a "
+                              "quarter.", 1.0, min=0, exclusive_min=True)
     gpu_memory_utilization: float = doc("Share of GPU memory a GPU engine may use.", 0.5, min=0, max=1,
                                         exclusive_min=True)
     cpu_mode: Literal["auto", "dense", "packed"] = doc(

@@ -37,6 +37,12 @@ def test_a_grpo_spec_without_a_layout_gets_one_rank_with_every_core_and_an_engin
     # a rounds algorithm's batch is a round: 80 prompts x 4 / 2 engines = 160 sequences -> 1.367 -> 44/32 GiB
     assert _plan(BENCH, ["algorithm=rejection_sampling", "rounds.prompts_per_round=80"])[
         "rollout.kv_cache_gib"] == 44 / 32
+    # with evaluation: 256 prompts x pass@4 / 2 engines = 512, at most the 256 vLLM decodes at once, of one
+    # block each (8 new tokens) = 256 blocks, more than the step's 32 x 2: 1.25 x 256 x 128 x 28672 / 2**30
+    # = 1.09375 GiB exactly
+    assert _plan(BENCH, ["eval.enabled=true"])["rollout.kv_cache_gib"] == 35 / 32
+    # 512 prompts x 4 on one engine: 2048 sequences, 256 at once, x 2 blocks: 2.1875 GiB
+    assert _plan(BENCH, ["rl.prompts_per_step=512", "rollout.num_engines=1"])["rollout.kv_cache_gib"] == 70 / 32
 
 
 def test_fields_the_user_set_are_kept():
