@@ -7,15 +7,12 @@ touching ``torch.cuda`` directly).
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from datetime import timedelta
 from functools import lru_cache
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=None)

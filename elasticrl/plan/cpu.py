@@ -10,9 +10,9 @@ engines of one thread rolled out a step in 5.0 s where one engine of two took 9.
 benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
 alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step). KV cache: each engine's
 holds its share of a step's sequences at full length (``kv_cache_gib``), not vLLM's 1 GiB
-floor of whole GiB: the step benchmark's two engines need 0.31 GiB each in fp32, and a cache
-sized so generated as fast as one of 1 GiB (20.8 s against 18.8-19.5 s for 32 x 128 tokens;
-one of 0.06 GiB, which makes vLLM preempt, took 31.7 s).
+floor of whole GiB: the step benchmark's two engines need 0.22 GiB each in fp32 (0.28 with
+the margin), and a cache of 0.25 GiB generated as fast as one of 1 GiB (20.8 s against
+18.8-19.5 s for 32 x 128 tokens; one of 0.06 GiB, which makes vLLM preempt, took 31.7 s).
 
 Fields the user set (in the spec or with ``--set``) are kept. The choices come back as
 field values, which ``planner.as_overrides`` turns into ``--set`` overrides as the GPU
