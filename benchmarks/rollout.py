@@ -114,7 +114,7 @@ def against_vllm(args) -> None:
         llm = LLM(model=model, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=0,
                   max_model_len=spec.rollout.max_model_len, load_format="safetensors",
                   **backend.rollout_kwargs(spec.rollout.gpu_memory_utilization, spec.rollout.kv_cache_gib,
-                                                 spec.rollout.max_model_len))
+                                          spec.rollout.max_model_len))
         warm = {"n": 1, "temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
         pool.generate(prompts[:4], warm)
         llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(**warm), use_tqdm=False)
