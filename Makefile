@@ -1,7 +1,7 @@
 # The two set-up commands of the README. Each installs what it needs first (.venv/).
 OUT ?= runs/tiny_grpo
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 install:
 	@bash scripts/install.sh
 
@@ -10,6 +10,9 @@ demo: install
 
 test: install
 	.venv/bin/python -m pytest -q
+
+lint: install
+	.venv/bin/ruff check .
 
 clean:
 	rm -rf .venv runs

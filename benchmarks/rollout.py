@@ -123,7 +123,7 @@ def against_vllm(args) -> None:
                 sampling = {"n": n, "temperature": 1.0, "max_tokens": args.new_tokens, "ignore_eos": True}
                 t0 = time.time()
                 out = pool.generate(prompts, {**sampling, "seed": 0})
-                rows.setdefault(("elasticrl", n), []).append(_rate(sum(len(c["token_ids"]) for c in out), t0))
+                rows.setdefault(("elasticrl", n), []).append(_rate(sum(len(c.token_ids) for c in out), t0))
                 params = [SamplingParams(**sampling, seed=prompt_seed(0, j, n), logprobs=0)
                           for j in range(len(prompts))]
                 t0 = time.time()

@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 
 def _memcpy(_worker, nbytes: int, repeats: int) -> float:

@@ -13,6 +13,8 @@ import sys
 
 import torchx.specs as specs
 
+from launch import JOIN_TIMEOUT_S, LOST_S, OUTPUT
+
 PYTHON = sys.executable
 ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # every node's
 
@@ -30,7 +32,7 @@ def _pool_role(name: str, nodes: int, cpus: int, gpus: int, mem_gb: int, image: 
 
 def job(
     spec: str,
-    output: str = "runs/launch",
+    output: str = OUTPUT,
     sets: str = "",
     head_cpus: int = 1,
     head_mem_gb: int = 4,
@@ -42,9 +44,9 @@ def job(
     rollout_cpus: int = 2,
     rollout_gpus: int = 0,
     rollout_mem_gb: int = 8,
-    timeout_s: int = 600,
+    timeout_s: int = JOIN_TIMEOUT_S,
     max_restarts: int = 0,
-    lost_s: int = 60,
+    lost_s: int = LOST_S,
     image: str = "",
     python: str = PYTHON,
 ) -> specs.AppDef:
@@ -106,9 +108,9 @@ def node(
     cpus: int = 1,
     gpus: int = 0,
     mem_gb: int = 8,
-    output: str = "runs/launch",
-    timeout_s: int = 600,
-    lost_s: int = 60,
+    output: str = OUTPUT,
+    timeout_s: int = JOIN_TIMEOUT_S,
+    lost_s: int = LOST_S,
     image: str = "",
     python: str = PYTHON,
 ) -> specs.AppDef:

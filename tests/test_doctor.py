@@ -42,7 +42,7 @@ def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
                   "--set", f"data.train={tmp_path / 'no_answer.parquet'}", "--output", str(tmp_path / "a_file" / "run"))
     found = _lines(res.stdout)
     assert res.returncode == 1 and res.stderr.strip().startswith("error: 5 check(s) failed")
-    assert found["model"][0] == "fail" and "has no *.safetensors weights" in found["model"][1]
+    assert found["model"] == ("fail", f"model.path: {big} has no weights (no *.safetensors)")
     assert found["data"] == ("fail", f"data.train: {tmp_path / 'no_answer.parquet'}: no field 'answer'; set data.*_key "
                                      "in the spec to the names your data uses (it has ['prompt'])")
     assert found["output"] == ("fail", f"--output {tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file; "
@@ -57,7 +57,30 @@ def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
     assert found["output"][0] == "fail" and found["output"][1].startswith("--output /proc/elasticrl-run: /proc is not "
                                                                          "writable")
     assert res.returncode == 1 and found["model"] == (
-        "fail", f"model.path: {tmp_path / 'missing'} has no config.json; fix: point model.path at a Hugging Face model "
-                "folder (save_pretrained's output, or a hub snapshot)")
+        "fail", f"model.path: {tmp_path / 'missing'} has no config.json; give a Hugging Face model folder")
     assert found["shared memory"][0] == "warn"  # what depends on the model's size is not guessed
 
+
+
+def test_doctor_names_heads_that_vllms_cpu_attention_cannot_compute(tmp_path):
+    """A model whose heads have 16 values: vLLM's CPU attention has no kernel for them, so the
+    check says so (and the fix) instead of the engines failing after Ray started."""
+    import shutil
+
+    import pytest
+
+    from elasticrl import backend
+    from elasticrl.doctor import Problem, _model
+    from elasticrl.spec import load_spec
+    from elasticrl.world.build import world_paths
+
+    if backend.has_gpu() or not backend.uses_vllm("auto"):
+        pytest.skip("vLLM's CPU attention is what refuses such heads")
+    folder = tmp_path / "model"
+    shutil.copytree(world_paths(load_spec(EXAMPLES / "tiny_grpo.yaml").world)["model"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "head_dim": 16}))
+    with pytest.raises(Problem, match=r"^rollout.backend: vLLM's CPU attention takes heads of 32, 64, .* values, and "
+                                      r"this model's heads have 16 \(.*/config.json\); set rollout.backend: hf"):
+        _model(load_spec(EXAMPLES / "tiny_grpo.yaml", [f"model.path={folder}"]))
+    assert _model(load_spec(EXAMPLES / "tiny_grpo.yaml", [f"model.path={folder}", "rollout.backend=hf"]))

@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md and STYLE.md, checked on the source and on what importing a
+"""The layering rules of docs/DESIGN.md and docs/STYLE.md, checked on the source and on what importing a
 layer really loads (in a fresh interpreter, so that nothing imported by another test counts)."""
 from __future__ import annotations
 
@@ -24,6 +24,29 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
     return found
+
+
+# The packages from the bottom up: each imports only packages below it (and itself), in any
+# function as at the top. Modules at the package's root are listed as packages.
+LAYERS = [("files", "backend", "algorithms", "parallel"), ("spec",), ("world",), ("data",), ("plan",), ("rewards",),
+          ("models",), ("weights",), ("engine",), ("cluster",), ("rollout",), ("trainers",),
+          ("doctor", "driver", "plot"), ("cli",)]
+
+
+def test_no_package_imports_one_above_it():
+    level = {name: i for i, names in enumerate(LAYERS) for name in names}
+    assert {p.stem if p.parent == PKG else p.relative_to(PKG).parts[0] for p in PKG.rglob("*.py")} - {"__init__"} \
+        == set(level), "a package or root module is missing from LAYERS"
+    upward = []
+    for path in PKG.rglob("*.py"):
+        if path.parent == PKG and path.stem == "__init__":
+            continue
+        mine = path.stem if path.parent == PKG else path.relative_to(PKG).parts[0]
+        for module in _imports(path):
+            parts = module.split(".")
+            if parts[0] == "elasticrl" and len(parts) > 1 and level[parts[1]] > level[mine]:
+                upward.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert upward == [], upward
 
 
 def test_only_the_backend_touches_the_device_api():

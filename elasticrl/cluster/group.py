@@ -83,7 +83,7 @@ def _dead_among(refs: list, wait_s: float = 5.0):
                 ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 return ref, exc
-            except Exception:
+            except Exception:  # noqa: BLE001 - another failure of that call is not a lost actor
                 continue
     return None
 

@@ -11,7 +11,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from elasticrl.files import owned_dir, sweep_orphans
+from elasticrl.files import Reaper, owned_dir, remove_stale, sweep_leftovers
 from elasticrl.spec.schema import RaySpec
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,6 @@ def worker_env() -> dict[str, str]:
         if key in os.environ:
             env[key] = os.environ[key]
     return env
-
-
-def sweep_leftovers() -> None:
-    """What this user's SIGKILLed runs left on this machine: their Ray folders and processes
-    (``files.sweep_orphans``) and the weight buffers of their dead processes in /dev/shm."""
-    from elasticrl.weights.shm import remove_stale
-
-    sweep_orphans("erl-ray-*")
-    remove_stale()
 
 
 class Terminated(KeyboardInterrupt):
@@ -81,7 +72,7 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
         return
     env = worker_env()
     os.environ.update(env)  # the local raylet and its workers inherit the driver's env
-    temp_dir = previous = None
+    temp_dir = previous = reaper = None
     main = threading.current_thread() is threading.main_thread()
     try:  # from here on an interrupt cleans up (Ctrl-C even inside ray.init; SIGTERM once Ray is up)
         if spec.address == "local":
@@ -90,6 +81,7 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
             # it if this one is SIGKILLed.
             sweep_leftovers()
             temp_dir = str(owned_dir(tempfile.mkdtemp(prefix="erl-ray-", dir="/tmp")))
+            reaper = Reaper()  # if this process is SIGKILLed, what it started goes at once
             num_cpus = spec.num_cpus or max(os.cpu_count() or 1, num_cpus_needed)
             with _interrupt_after(main):
                 ray.init(address="local", _temp_dir=os.path.join(temp_dir, "r"), include_dashboard=False,
@@ -105,8 +97,8 @@ def ray_session(spec: RaySpec, num_cpus_needed: int = 1):
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         ray.shutdown()
-        from elasticrl.weights.shm import remove_stale
-
         remove_stale()  # the weight buffers of this run's engines, killed ones' too
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+        if reaper is not None:
+            reaper.release()

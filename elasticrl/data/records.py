@@ -46,26 +46,83 @@ class Records(Sequence):
         return {k: v for k, v in self.dataset[int(i)].items() if v is not None}
 
 
-def read_records(source: str | Path, required: Fields = (), check: bool = False) -> Records:
+# What a row's field holds, by kind: the test of a JSON value, the test of an Arrow column
+# type, and how an error says it.
+KINDS = {
+    "text": (lambda v: isinstance(v, str), lambda t: _pa().types.is_string(t) or _pa().types.is_large_string(t),
+             "text"),
+    "messages": (lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       and isinstance(m.get("content"), str) for m in v),
+                 lambda t: (_pa().types.is_list(t) or _pa().types.is_large_list(t))
+                 and _pa().types.is_struct(t.value_type)
+                 and {"role", "content"} <= {f.name for f in t.value_type},
+                 "a list of chat messages ({role, content})"),
+    "answer": (lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool),
+               lambda t: _pa().types.is_string(t) or _pa().types.is_large_string(t) or _pa().types.is_integer(t)
+               or _pa().types.is_floating(t), "text or a number"),
+    "label": (lambda v: isinstance(v, (bool, int, float)), lambda t: _pa().types.is_boolean(t)
+              or _pa().types.is_integer(t) or _pa().types.is_floating(t), "true/false (or 1/0)"),
+}
+
+
+def _pa():
+    import pyarrow
+
+    return pyarrow
+
+
+def field_kinds(data) -> dict[str, tuple[str, str]]:
+    """The spec's data fields: row key -> (its kind in KINDS, the spec field that names it)."""
+    kinds = {"prompt_key": "text", "messages_key": "messages", "response_key": "text", "chosen_key": "text",
+             "rejected_key": "text", "answer_key": "answer", "label_key": "label"}
+    return {getattr(data, name): (kind, f"data.{name}") for name, kind in kinds.items()}
+
+
+def read_records(source: str | Path, required: Fields = (), check: bool = False, data=None) -> Records:
     """The rows of ``source`` (a file, a saved folder or ``hf://...``), each with the
-    ``required`` fields, else a ValueError naming the source, the row and the field.
-    ``check``: a JSON-lines file is first read line by line, so that a bad line is named
-    (the drivers check the user's files so before any worker starts; Arrow's reader would
-    take text that is not UTF-8)."""
+    ``required`` fields, else a ValueError naming the source, the row and the field; with
+    ``data`` (the spec's data section) their values also of the kind each holds (text, chat
+    messages, ...). ``check``: a JSON-lines file is first read line by line, so that a bad
+    line is named (the drivers check the user's files so before any worker starts; Arrow's
+    reader would take text that is not UTF-8)."""
     source = str(source)
     jsonl = Path(source).suffix == ".jsonl"
+    kinds = field_kinds(data) if data is not None else {}
     if check and jsonl:
-        check_jsonl(source, required)
+        check_jsonl(source, required, kinds)
     try:
         dataset = _load(source)
-        problem = _missing(dataset, required)
+        problem = _missing(dataset, required) or _mistyped(dataset, required, kinds)
     except ValueError as exc:
         problem = str(exc)
     if problem:
         if jsonl:
-            check_jsonl(source, required)  # names the line when it is one
+            check_jsonl(source, required, kinds)  # names the line when it is one
         raise ValueError(f"{source}: {problem}")
     return Records(dataset, source)
+
+
+def _keys(required: Fields) -> list[str]:
+    return [k for want in required for k in (want if isinstance(want, tuple) else (want,))]
+
+
+def _mistyped(dataset, required: Fields, kinds: dict) -> str | None:
+    """A required column whose type is not its field's kind, with its first row that has a value."""
+    for key in _keys(required):
+        if key in kinds and key in dataset.column_names:
+            kind, field = kinds[key]
+            _, of_type, what = KINDS[kind]
+            if not of_type(dataset.features.arrow_schema.field(key).type):
+                column = dataset[key]
+                row = next(i for i, v in enumerate(column) if v is not None)
+                return f"row {row + 1}: {_wrong(key, column[row], what, field)}"
+    return None
+
+
+def _wrong(key: str, value, what: str, field: str) -> str:
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{key!r} is {shown}; expected {what} ({field}: set it to the field that holds that)"
 
 
 def _load(source: str):
@@ -103,7 +160,7 @@ def _load(source: str):
         return datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train")
     except ValueError:
         raise
-    except Exception as exc:  # datasets, pyarrow and the hub raise many kinds: one line says which
+    except Exception as exc:  # noqa: BLE001 - datasets, pyarrow and the hub raise many kinds: one line says which
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ValueError(f"cannot load it ({type(exc).__name__}: {first})") from None
 
@@ -134,8 +191,11 @@ def _missing(dataset, required: Fields) -> str | None:
     return None
 
 
-def check_jsonl(path: str | Path, required: Fields = ()) -> None:
-    """Check a JSON-lines file line by line (read as a stream), naming the first bad line."""
+def check_jsonl(path: str | Path, required: Fields = (), kinds: dict | None = None) -> None:
+    """Check a JSON-lines file line by line (read as a stream), naming the first bad line:
+    JSON objects with the ``required`` fields, each of its kind (``field_kinds``)."""
+    kinds = kinds or {}
+    typed = [(k, *kinds[k]) for k in _keys(required) if k in kinds]
     count = 0
     try:
         fh = open(path, "rb")
@@ -162,6 +222,9 @@ def check_jsonl(path: str | Path, required: Fields = ()) -> None:
             if missing:
                 raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; set data.*_key in the "
                                  f"spec to the names your file uses (it has {sorted(rec)})")
+            for key, kind, field in typed:
+                if rec.get(key) is not None and not KINDS[kind][0](rec[key]):
+                    raise ValueError(f"{path}:{lineno}: {_wrong(key, rec[key], KINDS[kind][2], field)}")
             count += 1
     if not count:
         raise ValueError(f"{path}: no records")

@@ -16,13 +16,15 @@ import contextlib
 import json
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import elasticrl
-from elasticrl.files import atomic_folder, write_text
+from elasticrl.files import atomic_folder, read_json, write_text
 
 FORMAT = 2  # of what a checkpoint holds; bump when a reader of the old one would misread it
+CHECKPOINTS = "checkpoints"  # OUTPUT/checkpoints/step_NNNNNNN/
 STATE_FILE = "trainer_state.json"
 RESUMING = "resuming from checkpoint"  # the console line `elasticrl status` looks for
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -37,6 +39,32 @@ MAY_CHANGE = ("train.max_steps", "train.num_epochs", "rl.num_steps", "rounds.num
               "rollout.num_engines", "rollout.tp_size", "rollout.cpus_per_engine", "rollout.kv_cache_gib",
               "rollout.gpu_memory_utilization", "rollout.weight_sync", "rollout.bucket_mb", "rollout.cpu_sleep",
               "rollout.max_restarts", "rollout.hang_factor", "rewards.workers", "fault.")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The folder of the checkpoint of ``step`` in ``root`` (a run's OUTPUT/checkpoints)."""
+    return Path(root) / f"step_{step:07d}"
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a run starts: a checkpoint ``folder`` and its trainer ``state``, or (folder None)
+    the start."""
+
+    folder: Path | None = None
+    state: dict = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return self.state.get("step", 0)
+
+    def role(self, name: str) -> str | None:
+        """The folder a trained role (``actor``, ``critic``) loads from; None at the start."""
+        return str(self.folder / name) if self.folder else None
+
+
+def resume_from(folder: Path) -> Resume:
+    return Resume(Path(folder), read_trainer_state(folder))
 
 
 def _check_roles(folder: Path) -> None:
@@ -65,12 +93,8 @@ def write_trainer_state(folder: Path, spec, state: dict) -> None:
 
 def read_trainer_state(folder: Path) -> dict:
     path = Path(folder) / STATE_FILE
-    try:
-        state = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        what = f"{exc.msg}, line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
-        raise ValueError(f"{path}: not valid JSON ({what}); the checkpoint is damaged: resume from another "
-                         "(checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)") from None
+    state = read_json(path, "the checkpoint is damaged: resume from another (checkpoint.resume: PATH) or start "
+                            "fresh (checkpoint.resume: null)", whole=False)
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise ValueError(f"{path}: not a trainer state (no step); the checkpoint is damaged: resume from another "
                          "(checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
@@ -134,7 +158,7 @@ def new_checkpoint(root: Path, step: int, keep: int) -> Iterator[Path]:
     ``step_NNNNNNN`` and the checkpoints older than the newest ``keep`` are removed."""
     for stale in Path(root).glob(".step_*"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
-    with atomic_folder(Path(root) / f"step_{step:07d}") as tmp:
+    with atomic_folder(step_dir(root, step)) as tmp:
         yield tmp
     for _, old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -16,9 +16,10 @@ from elasticrl import backend
 from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine import state
-from elasticrl.engine.strategy import build_engine, data_parallel_info, ds_config, init_distributed, tensor_parallel_rank
+from elasticrl.engine.strategy import build_engine, ds_config, init_distributed
 from elasticrl.models import load_tokenizer, torch_dtype
 from elasticrl.models.load import load_causal_lm, load_value_model
+from elasticrl.parallel import data_parallel_info, tensor_parallel_rank
 from elasticrl.spec import JobSpec
 from elasticrl.spec.schema import TrainSpec
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from elasticrl import parallel
 from elasticrl.weights.shards import save_sharded, shard_files
 
 MOMENTS = "optimizer"           # the shard files' stem for optimizer moments
@@ -140,31 +141,12 @@ def load_engine(engine, folder: str | Path) -> None:
 def _tp_slices(engine) -> dict[int, tuple]:
     """id(parameter) -> (its AutoTP layer, the dimension AutoTP cut it along), for the
     parameters each tensor-parallel rank holds a slice of (none without AutoTP)."""
-    cuts = autotp_cuts(engine)
+    cuts = parallel.autotp_cuts(engine)
     for module, dim in cuts.values():
         if dim is None:  # fused projections (q, k and v in one weight) slice each part
             raise NotImplementedError(f"checkpoints of AutoTP-sliced fused parameters ({type(module).__name__}) "
                                       "are not supported yet; checkpoint at train.tp_size: 1")
     return cuts
-
-
-def autotp_cuts(engine) -> dict[int, tuple]:
-    """id(parameter) -> (its AutoTP layer, the dimension AutoTP cut it along, or None for a
-    fused parameter whose parts are cut apart) for every parameter AutoTP sliced."""
-    if engine.autotp_size() <= 1:
-        return {}
-    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
-
-    out = {}
-    for module in engine.module.modules():
-        if getattr(module, "_partition_sizes", None) is None or not getattr(module, "is_tp_parallel", False):
-            continue
-        for p in module.parameters(recurse=False):
-            meta = getattr(p, DS_AUTOTP_UC_META, None) or {}
-            if meta.get("replicated") or meta.get("partition_dim") is None:
-                continue
-            out[id(p)] = (module, None if meta.get("sub_param_sizes") else meta["partition_dim"])
-    return out
 
 
 def saved_world_size(folder: str | Path) -> int:

@@ -101,23 +101,3 @@ def build_engine(model: torch.nn.Module, train: TrainSpec, dtype: str, grad_accu
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config(train, dtype, grad_accum))
     return engine
-
-
-def data_parallel_info(tp_size: int) -> tuple[int, int]:
-    """(dp_rank, dp_size) of this process; tensor-parallel peers share a dp_rank."""
-    import torch.distributed as dist
-
-    if tp_size > 1:
-        from deepspeed.utils import groups
-
-        return groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
-    return dist.get_rank(), dist.get_world_size()
-
-
-def tensor_parallel_rank(tp_size: int) -> int:
-    """This process's AutoTP rank (0 without AutoTP)."""
-    if tp_size <= 1:
-        return 0
-    from deepspeed.utils import groups
-
-    return groups.get_tensor_model_parallel_rank()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from elasticrl.files import read_json
+
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
@@ -17,12 +19,9 @@ def check_model_folder(path: str | Path, field: str, trust_remote_code: bool = F
     if not config.is_file():
         raise ValueError(f"{field}: {folder} has no config.json; give a Hugging Face model folder")
     try:
-        cfg = json.loads(config.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{field}: {config}: not valid JSON ({getattr(exc, 'msg', exc)}); the folder is "
-                         "damaged: copy it again") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{field}: {config}: expected a JSON object")
+        cfg = read_json(config, "the folder is damaged: copy it again")
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
     for shard in _weight_files(folder, field):
         _check_safetensors(shard, field)
     if tokenizer:
@@ -30,9 +29,10 @@ def check_model_folder(path: str | Path, field: str, trust_remote_code: bool = F
 
         try:
             load_tokenizer(folder, trust_remote_code)
-        except Exception as exc:  # transformers' errors vary by tokenizer class
+        except Exception as exc:  # noqa: BLE001 - transformers' errors vary by tokenizer class
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise ValueError(f"{field}: {folder}: the tokenizer does not load ({type(exc).__name__}: {first})") from None
+            raise ValueError(f"{field}: {folder}: the tokenizer does not load ({type(exc).__name__}: "
+                             f"{first})") from None
     return cfg
 
 
@@ -81,15 +81,20 @@ def _check_safetensors(path: Path, field: str) -> None:
 def check_job_models(spec) -> None:
     """Every model folder a job names, and the tensor-parallel sizes against the policy's
     attention heads (vLLM and AutoTP shard whole heads), before Ray starts."""
+    from elasticrl import backend
     from elasticrl.plan.arch import arch_of
 
     folders = [("model.path", spec.model.path, True), ("critic.path", spec.critic.path, False)]
     folders += [(f"rewards.models[{i}].path", m.path, True) for i, m in enumerate(spec.rewards.models)]
-    for field, path, with_tokenizer in folders:
-        if path:
-            check_model_folder(path, field, spec.model.trust_remote_code, with_tokenizer)
+    configs = {field: check_model_folder(path, field, spec.model.trust_remote_code, with_tokenizer)
+               for field, path, with_tokenizer in folders if path}
     arch = arch_of(spec.model.path, spec.world.model_size)
     where = f"{spec.model.path}/config.json" if spec.model.path else f"the tiny {spec.world.model_size} model"
+    head_dim = configs.get("model.path", {}).get("head_dim") or arch.head_dim
+    problem = backend.rollout_head_size_problem(head_dim, backend.uses_vllm(spec.rollout.backend))
+    if problem:
+        raise ValueError(f"rollout.backend: {problem} ({where}); set rollout.backend: hf (transformers' generate, "
+                         "slower) for this model on CPUs")
     for field, tp in (("rollout.tp_size", spec.rollout.tp_size), ("train.tp_size", spec.train.tp_size)):
         kv_ok = arch.kv_heads % tp == 0 or (field == "rollout.tp_size" and tp % arch.kv_heads == 0)
         if arch.heads % tp or not kv_ok:

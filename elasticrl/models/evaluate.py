@@ -46,5 +46,5 @@ def greedy_accuracy(model, tokenizer, records, spec, *, max_new_tokens: int, dp_
 def _right(verify, prompt: str, completion: str, answer) -> bool:
     try:
         return full_marks(float(verify(prompt, completion, answer)))
-    except Exception:  # the verifier's failure on one answer: that answer does not count as right
+    except Exception:  # noqa: BLE001 - the verifier's failure on one answer: that answer does not count as right
         return False

@@ -2,8 +2,9 @@
 
 Packed: the sequences of a batch are laid end to end in one row, with position ids that
 restart at each sequence; transformers then builds a block-diagonal causal mask from the
-position ids (with no attention mask and no KV cache), so no sequence attends to another and no compute is spent on padding. The
-results equal the padded ones (tests/test_packing.py holds them to 1e-5).
+position ids (with no attention mask and no KV cache), so no sequence attends to another
+and no compute is spent on padding. The results equal the padded ones
+(tests/models/test_scoring.py holds them to 1e-5).
 """
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ cluster can be planned on a laptop without the weights), else the embedded tiny 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from elasticrl.world.presets import PRESETS, VOCAB_SIZE
+from elasticrl.files import read_json
+from elasticrl.spec.presets import PRESETS, VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,12 @@ def arch_of(model_path: str | None, tiny_preset: str) -> Arch:
         return Arch(hidden, layers, heads, kv_heads, inter, VOCAB_SIZE)
     config = Path(model_path) / "config.json"
     if config.is_file():
-        return from_config(json.loads(config.read_text()))
+        cfg = read_json(config, "give the folder of a Hugging Face model (its config.json is damaged: copy it again)")
+        try:
+            return from_config(cfg)
+        except KeyError as exc:
+            raise ValueError(f"{config}: no {exc.args[0]!r}; elasticrl plans decoder-only causal LMs (Llama, Qwen2, "
+                             "Mistral, ...)") from None
     known = _known(model_path)
     if known is None:
         raise ValueError(f"model.path: {model_path!r} is neither a local model folder nor a known architecture "

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 
 from elasticrl.plan.arch import Arch, arch_of
-from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
 from elasticrl.plan.memory import GB, TrainConfig, engine_need, engine_role, frozen_role, trained_role
+from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
 from elasticrl.spec.algorithms import ALGORITHMS
 from elasticrl.spec.schema import JobSpec
 

@@ -48,7 +48,7 @@ def main(paths: list[str]) -> int:
                 reply = {"v": number(fn(prompt, completion, answer))}
             except BadValue as exc:
                 reply = {"e": str(exc)}
-            except Exception as exc:  # the user's code: any failure is that call's error
+            except Exception as exc:  # noqa: BLE001 - the user's code: any failure is that call's error
                 reply = {"e": f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__}
             out.write(json.dumps(reply) + "\n")
     return 0

@@ -14,9 +14,16 @@ def load_function(path: str, field: str = "rewards.functions") -> RewardFn:
     if not sep:
         raise ValueError(f"{field}: {path!r} is not an import path; write package.module:function")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
         raise ValueError(f"{field}: cannot import {path!r} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: its own error, in one line
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{field}: cannot import {path!r}: importing {module_name} raised "
+                         f"{type(exc).__name__}{': ' + first if first else ''}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"{field}: cannot import {path!r} (module {module_name!r} has no attribute {attr!r})")
     if not callable(fn):
         raise ValueError(f"{field}: {path!r} is not callable")
     return fn

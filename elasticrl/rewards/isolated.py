@@ -28,9 +28,9 @@ class FunctionProcess:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buffer = b""
         first = self._line(max(60.0, self.timeout_s))
-        if first is None or "ready" not in first:
+        if not isinstance(first, dict) or "ready" not in first:
             self.close()
-            raise ValueError(first["e"] if first and "e" in first else
+            raise ValueError(first["e"] if isinstance(first, dict) and "e" in first else
                              f"the reward functions' process did not start ({', '.join(self.paths)})")
 
     def __call__(self, index: int, items: list[list]) -> list[float | str]:

@@ -83,9 +83,9 @@ class RewardSources:
             outcomes.append((f"model{i}", f"reward model {i}", w,
                              _batch_call(lambda: [float(x) for x in score().float().tolist()], n)))
         for short, name, w, values in outcomes:
-            if isinstance(values, str):  # the batch's one call failed
-                self._count(name, [values], prompts, where, whole=True)
+            if isinstance(values, str):  # the batch's one call failed: an error for each of its samples
                 values = [values] * n
+                self._count(name, values, prompts, where, whole=True)
             else:
                 values = [v if isinstance(v, str) or math.isfinite(v) else f"gave {v}" for v in values]
                 self._count(name, values, prompts, where)
@@ -109,12 +109,16 @@ class RewardSources:
         return self.process(self.verifier_index, [list(x) for x in zip(prompts, completions, answers)])
 
     def _count(self, name: str, calls: list, prompts: list[str], where: str, whole: bool = False) -> None:
-        """Errors in a row for ``name``; raise when the policy says stop."""
+        """Errors in a row for ``name``, one per sample without a score from it (``whole``: the
+        batch's one call failed, so every sample did); raise when the policy says stop."""
         for j, v in enumerate(calls):
             if not isinstance(v, str):
                 self.in_a_row[name] = 0
                 continue
             self.in_a_row[name] = self.in_a_row.get(name, 0) + 1
+            last = j == len(calls) - 1 or (self.limit and self.in_a_row[name] >= self.limit)
+            if whole and not last:
+                continue
             sample = f"the batch{where and ' of ' + where}" if whole else \
                 f"sample {j}{where and ' of ' + where} (prompt {prompts[j][:40]!r})"
             if self.policy == "fail":
@@ -129,7 +133,7 @@ def _batch_call(call: Callable[[], list], n: int) -> list | str:
     """A source scored in one call (an endpoint, a reward model): its values, or its error text."""
     try:
         values = call()
-    except Exception as exc:  # a service or a role: any failure is that call's error
+    except Exception as exc:  # noqa: BLE001 - a service or a role: any failure is that call's error
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
     if len(values) != n:
         return f"gave {len(values)} values for {n} samples"

@@ -12,9 +12,9 @@ import json
 import re
 import threading
 
+from elasticrl.spec.schema import VERIFIERS
 from elasticrl.world.task import is_correct
 
-NAMES = ("integer", "math", "exact", "regex", "json_schema")
 VERIFIER = "verifier"  # a reward function's path that means the job's verifier
 
 
@@ -57,6 +57,8 @@ def json_schema(prompt: str, completion: str, answer) -> float:
     """The completion is JSON valid against the answer, a JSON schema (an object or its text)."""
     import jsonschema
 
+    if answer is None:
+        return 0.0
     schema = json.loads(answer) if isinstance(answer, str) else answer
     try:
         jsonschema.validate(json.loads(completion), schema)
@@ -69,7 +71,7 @@ def verifier_path(spec) -> str:
     """The import path of the job's verifier, ``rewards.verifier`` by name or path (the spec
     loader has resolved 'auto')."""
     name = spec.rewards.verifier
-    return f"{__name__}:{name}" if name in NAMES else name
+    return f"{__name__}:{name}" if name in VERIFIERS else name
 
 
 def function_path(path: str, spec) -> str:

@@ -20,6 +20,7 @@ import threading
 import time
 
 from elasticrl import backend
+from elasticrl.rollout.sample import Sample
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class RolloutEngine:
         t0 = time.time()
         self.llm = LLM(model=self.model_path, tensor_parallel_size=a["tp_size"], dtype=_VLLM_DTYPE[a["dtype"]],
                        # a restarted engine must not replay the samples of its first life
-                       seed=a["seed"] + 1000 * self.incarnation, max_model_len=a["max_model_len"], trust_remote_code=a["trust_remote_code"],
+                       seed=a["seed"] + 1000 * self.incarnation, max_model_len=a["max_model_len"],
+                       trust_remote_code=a["trust_remote_code"],
                        worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver",
                        load_format="safetensors",  # never a pickled checkpoint
                        # the sampled tokens' log-probs under the distribution they were drawn from
@@ -74,7 +76,7 @@ class RolloutEngine:
 
     # --- generation ---------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[dict]:
+    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[Sample]:
         """Completions for token-id prompts; ``sampling`` holds SamplingParams fields, ``seeds``
         one seed per prompt (``pool.prompt_seed``) or None for unseeded sampling."""
         from vllm import SamplingParams
@@ -90,9 +92,8 @@ class RolloutEngine:
         results = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                results.append({"prompt_index": i, "token_ids": list(c.token_ids),
-                                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                                "text": c.text, "finish_reason": c.finish_reason, "weight_version": version})
+                results.append(Sample(i, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                                      c.text, c.finish_reason, version))
         return results
 
     def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], int]:

@@ -13,6 +13,7 @@ import torch
 
 from elasticrl import backend
 from elasticrl.rollout.engine import SAMPLING_KEYS, SyncGate
+from elasticrl.rollout.sample import Sample
 from elasticrl.weights import receive
 
 
@@ -46,7 +47,7 @@ class HFRolloutEngine:
                 "dtype": self.dtype, "mode": "hf"}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[dict]:
+    def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[Sample]:
         """As the vLLM engine's; ``generate`` samples a batch from one generator, so only the
         first prompt's seed is used (samples depend on the batch, unlike vLLM's)."""
         unknown = set(sampling) - SAMPLING_KEYS
@@ -94,9 +95,8 @@ class HFRolloutEngine:
                 tokens, finish = tokens[:end], "stop"
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 text = text[: min(text.index(s) for s in stops if s in text)]
-            results.append({"prompt_index": row // n, "token_ids": tokens, "text": text, "finish_reason": finish,
-                            "logprobs": [logp[row, t, tok].item() for t, tok in enumerate(tokens)],
-                            "weight_version": self.gate.version})
+            results.append(Sample(row // n, tokens, [logp[row, t, tok].item() for t, tok in enumerate(tokens)], text,
+                                  finish, self.gate.version))
         return results
 
     @torch.no_grad()

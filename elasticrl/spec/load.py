@@ -20,7 +20,7 @@ import yaml
 
 from elasticrl.files import write_text
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, advantage_of
-from elasticrl.spec.schema import JobSpec
+from elasticrl.spec.schema import VERIFIERS, JobSpec
 
 
 class SpecError(ValueError):
@@ -257,11 +257,9 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
         if not m.path or (check_paths and not Path(m.path).is_dir()):
             raise SpecError(f"rewards.models[{i}].path", f"{m.path!r} is not a folder; give a reward model folder "
                                                          "(train one with algorithm: rm)")
-    from elasticrl.rewards.verifiers import NAMES
-
     v = spec.rewards.verifier
-    if v != "auto" and v not in NAMES and ":" not in v:
-        raise SpecError("rewards.verifier", f"{v!r} is neither a verifier ({', '.join(NAMES)}, auto) nor an "
+    if v != "auto" and v not in VERIFIERS and ":" not in v:
+        raise SpecError("rewards.verifier", f"{v!r} is neither a verifier ({', '.join(VERIFIERS)}, auto) nor an "
                                             "import path package.module:function")
     for i, r in enumerate(spec.rewards.remote):
         if not r.url.startswith(("http://", "https://")):
@@ -317,7 +315,8 @@ def _check_rl(spec: JobSpec) -> None:
         raise SpecError("rl.async_rollout", "rolls out while the trainers train, but placement.colocate 'all' puts the "
                                             "engines to sleep then; use one or the other")
     if rl.temperature <= 0:
-        raise SpecError("rl.temperature", f"RL learns from sampled rollouts: expected a number > 0, got {rl.temperature}")
+        raise SpecError("rl.temperature",
+                        f"RL learns from sampled rollouts: expected a number > 0, got {rl.temperature}")
     if rl.dynamic_sampling_max_draws > 1 and rl.async_rollout:
         raise SpecError("rl.dynamic_sampling_max_draws", "refills draw prompts while the step is scored, but "
                                                           "rl.async_rollout has drawn the next steps' already; use one")
@@ -338,8 +337,9 @@ def _check_rl(spec: JobSpec) -> None:
                                                  f"got {rl.samples_per_prompt}")
     responses = rl.prompts_per_step * rl.samples_per_prompt
     if responses % t.global_batch_size:
-        raise SpecError("train.global_batch_size", f"must divide rl.prompts_per_step x rl.samples_per_prompt = "
-                                                   f"{responses} (whole mini-batches per step), got {t.global_batch_size}")
+        raise SpecError("train.global_batch_size",
+                        f"must divide rl.prompts_per_step x rl.samples_per_prompt = {responses} (whole mini-batches "
+                        f"per step), got {t.global_batch_size}")
     if ALGORITHMS[spec.algorithm].critic and t.global_batch_size % spec.critic.num_ranks:
         raise SpecError("critic.num_ranks", f"must divide train.global_batch_size ({t.global_batch_size}), "
                                             f"got {spec.critic.num_ranks}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS
-from elasticrl.world.presets import PRESETS
+from elasticrl.spec.presets import PRESETS
 
 
 def doc(text: str, default=None, *, factory=None, min=None, max=None, exclusive_min=False):
@@ -259,6 +259,10 @@ class ConditionalSpec:
                                   "them); empty skips.", "quality:0")
 
 
+# The built-in verifiers (rewards.verifiers implements each by this name).
+VERIFIERS = ("integer", "math", "exact", "regex", "json_schema")
+
+
 @dataclass
 class RewardFunctionSpec:
     path: str = doc("Import path package.module:function of fn(prompt, completion, answer) -> float; "
@@ -300,9 +304,10 @@ class RewardsSpec:
         "A reward source that raises, times out, or gives a non-number or non-finite value: 'fail' ends the run; "
         "'zero' scores that sample 0 from that source; 'drop_sample' leaves the sample out of training. Every "
         "error counts in reward/errors.", "zero")
-    max_consecutive_errors: int = doc("With 'zero' or 'drop_sample', this many errors in a row from one source "
-                                      "(calls: a sample for a function, a request for an endpoint, a batch for "
-                                      "a reward model) end the run; 0 never does.", 8, min=0)
+    max_consecutive_errors: int = doc("With 'zero' or 'drop_sample', this many samples in a row without a score "
+                                      "from one source end the run (a failed request to an endpoint, or a reward "
+                                      "model's failed batch, is an error for each of its samples); 0 never does.",
+                                      8, min=0)
 
 
 @dataclass
@@ -350,7 +355,8 @@ class InitSpec:
 class EvalSpec:
     enabled: bool = doc("Evaluate on held-out prompts at all (false: never, not even at the start or the end; "
                         "for benchmarks and throwaway runs).", True)
-    every_steps: int = doc("Evaluate held-out prompts every N steps (and at the end); 0 only at the end.",
+    every_steps: int = doc("Evaluate held-out prompts every N steps (and at the start and the end); 0 only at "
+                           "the start and the end.",
                            100, min=0)
     num_prompts: int = doc("Held-out prompts per evaluation (0 = all).", 256, min=0)
     max_new_tokens: int = doc("Longest greedy answer generated at evaluation.", 8, min=1)

@@ -11,9 +11,8 @@ from elasticrl.spec.schema import JobSpec
 def run_job(spec: JobSpec, output: Path) -> dict:
     """Run the job into ``output``; a job that finished there already is not run again (its
     summary comes back), one that stopped resumes from its newest checkpoint."""
-    from elasticrl.trainers.loop import finished_run, mark_finished
-
     from elasticrl.models.check import check_job_models
+    from elasticrl.trainers.loop import finished_run, mark_finished
 
     done = finished_run(spec, output)
     if done is not None:

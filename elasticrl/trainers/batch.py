@@ -1,4 +1,4 @@
-"""RL batches: prompt + completion token ids packed into padded tensors.
+"""RL batches: prompt + completion token ids packed into padded tensors, as one typed record.
 
 Every per-token tensor is ``[B, L-1]`` in *shifted* full-sequence coordinates: entry t
 describes token t+1 predicted from tokens <= t, exactly as ``token_logprobs`` returns it.
@@ -7,12 +7,60 @@ advantages line up with no re-indexing.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from elasticrl.algorithms.logprobs import IGNORE
+from elasticrl.rollout.sample import Sample
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+@dataclass
+class Experience:
+    """What the RL roles learn from (OpenRLHF's ``Experience``): the step's sequences, and what
+    the experience phase adds for them. ``[B, L]``: whole sequences; ``[B, L-1]``: per token,
+    shifted. The optional fields are None until computed, or when the run needs none."""
+
+    input_ids: torch.Tensor                        # [B, L] prompt + completion, right-padded
+    attention_mask: torch.Tensor                   # [B, L] 1 on real tokens
+    labels: torch.Tensor                           # [B, L] the completion's ids, IGNORE elsewhere
+    response_mask: torch.Tensor                    # [B, L-1] 1 on completion tokens in the loss
+    old_logprobs: torch.Tensor | None = None       # [B, L-1] the policy's before the update (None: the update's own)
+    ref_logprobs: torch.Tensor | None = None       # [B, L-1] the reference policy's
+    old_values: torch.Tensor | None = None         # [B, L-1] the critic's before its update
+    advantages: torch.Tensor | None = None         # [B, L-1]
+    returns: torch.Tensor | None = None            # [B, L-1] the critic's targets
+    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] the engine's, of the policy that sampled (async)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def _map(self, fn) -> Experience:
+        return dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+
+    def rows(self, index) -> Experience:
+        return self._map(lambda v: v[index])
+
+    def to(self, device) -> Experience:
+        return self._map(lambda v: v.to(device))
+
+    def trimmed(self) -> Experience:
+        """Rows cut to their longest sequence: the padding columns they all have at the right
+        end go, from ``[B, L]`` tensors and from the shifted ``[B, L-1]`` ones alike, so a
+        micro-batch of short sequences computes no padding of the batch's longest."""
+        full = self.input_ids.shape[1]
+        width = int(self.attention_mask.sum(1).max())
+        if width == full:
+            return self
+        return self._map(lambda v: v[:, :width] if v.shape[1] == full else v[:, :width - 1])
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Experience:
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -22,23 +70,7 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> d
         input_ids[i, : len(s)] = torch.tensor(s)
         attention_mask[i, : len(s)] = 1
         labels[i, len(p): len(s)] = torch.tensor(s[len(p):])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-            "response_mask": (labels[:, 1:] != IGNORE).float()}
-
-
-def rows(batch: dict, index) -> dict:
-    return {k: v[index] for k, v in batch.items()}
-
-
-def trimmed(mb: dict) -> dict:
-    """Rows of a batch cut to their longest sequence: the padding columns they all have at the
-    right end go, from ``[B, L]`` tensors and from the shifted ``[B, L-1]`` ones alike, so a
-    micro-batch of short sequences computes no padding of the batch's longest."""
-    full = mb["input_ids"].shape[1]
-    width = int(mb["attention_mask"].sum(1).max())
-    if width == full:
-        return mb
-    return {k: v[:, :width] if v.shape[1] == full else v[:, :width - 1] for k, v in mb.items()}
+    return Experience(input_ids, attention_mask, labels, (labels[:, 1:] != IGNORE).float())
 
 
 def widened(values_bt: torch.Tensor, width: int) -> torch.Tensor:
@@ -58,10 +90,10 @@ def gather_rows(parts: list[dict], key: str) -> torch.Tensor:
     return torch.cat([t for _, t in pieces])
 
 
-def behaviour_logprobs(results: list[dict], batch: dict) -> torch.Tensor:
+def behaviour_logprobs(results: list[Sample], batch: Experience) -> torch.Tensor:
     """The rollout engine's log-probs of the sampled tokens, placed in the shifted layout."""
-    out = torch.zeros_like(batch["response_mask"])
+    out = torch.zeros_like(batch.response_mask)
     for i, r in enumerate(results):
-        pos = batch["response_mask"][i].nonzero().flatten()
-        out[i, pos[: len(r["logprobs"])]] = torch.tensor(r["logprobs"][: len(pos)], dtype=out.dtype)
+        pos = batch.response_mask[i].nonzero().flatten()
+        out[i, pos[: len(r.logprobs)]] = torch.tensor(r.logprobs[: len(pos)], dtype=out.dtype)
     return out

@@ -23,6 +23,7 @@ from pathlib import Path
 from elasticrl.data.records import read_records, write_jsonl
 from elasticrl.spec import JobSpec
 from elasticrl.spec.load import parse_attributes
+from elasticrl.trainers.loop import check_user_files, data_paths
 from elasticrl.world import world_paths
 
 
@@ -34,8 +35,8 @@ def conditioned_data(spec: JobSpec, folder: Path) -> tuple[str, str, str]:
     """Training lines with their attributes in the prompt, and the eval prompts under the
     requested and the compared attributes: three JSON-lines files in ``folder``."""
     d, c = spec.data, spec.conditional
-    world = world_paths(spec.world) if d.train is None or d.eval is None else {}
-    if d.train is None:  # the world's right answers score quality 1, its near misses 0
+    if d.train is None:
+        world = world_paths(spec.world)  # the world's right answers score quality 1, its near misses 0
         pairs = read_records(world["preference"], (d.prompt_key, d.chosen_key, d.rejected_key))
         sft = read_records(world["sft"], (d.prompt_key, d.response_key))
         train = [{d.prompt_key: condition(x[d.prompt_key], {"quality": 1}), d.response_key: x[d.response_key]}
@@ -49,12 +50,13 @@ def conditioned_data(spec: JobSpec, folder: Path) -> tuple[str, str, str]:
                 raise ValueError(f"{d.train}: line {i + 1}: {c.attributes_key!r} must be a JSON object of scores")
         train = [{d.prompt_key: condition(x[d.prompt_key], x[c.attributes_key]), d.response_key: x[d.response_key]}
                  for x in lines]
-    evals = read_records(d.eval or world["eval"], (d.prompt_key, d.answer_key))
+    evals = read_records(data_paths(spec, "sft", "eval")["eval"], (d.prompt_key, d.answer_key))
     want = parse_attributes(c.eval_attributes, "conditional.eval_attributes")
     other = parse_attributes(c.compare_attributes, "conditional.compare_attributes")
     return (write_jsonl(folder / "train.jsonl", train),
             write_jsonl(folder / "eval.jsonl", [{**e, d.prompt_key: condition(e[d.prompt_key], want)} for e in evals]),
-            write_jsonl(folder / "compare.jsonl", [{**e, d.prompt_key: condition(e[d.prompt_key], other)} for e in evals]))
+            write_jsonl(folder / "compare.jsonl",
+                        [{**e, d.prompt_key: condition(e[d.prompt_key], other)} for e in evals]))
 
 
 def run_conditional(spec: JobSpec, output: Path) -> dict:
@@ -62,11 +64,13 @@ def run_conditional(spec: JobSpec, output: Path) -> dict:
     from elasticrl.models.load import load_causal_lm, load_tokenizer
     from elasticrl.trainers.sft import run_sft
 
+    d = spec.data
+    check_user_files(spec, (d.prompt_key, d.response_key, spec.conditional.attributes_key),
+                     (d.prompt_key, d.answer_key))
     train, evals, compare = conditioned_data(spec, output / "conditional")
     summary = run_sft(dataclasses.replace(spec, data=dataclasses.replace(spec.data, train=train, eval=evals)), output)
     if spec.conditional.compare_attributes and spec.export.enabled:
         # the same held-out prompts asked for the compared attributes, on the exported model
-        d = spec.data
         model = load_causal_lm(output / "final", spec.model.trust_remote_code)
         tok = load_tokenizer(output / "final", spec.model.trust_remote_code)
         records = read_records(compare, (d.prompt_key, d.answer_key))[: spec.eval.num_prompts or None]

@@ -9,15 +9,18 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from elasticrl.backend import environment
+from elasticrl.data.records import read_records
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints
 from elasticrl.files import disk_problem, write_text
-from elasticrl.spec import JobSpec, dump_spec, load_spec, read_raw, spec_to_dict
+from elasticrl.spec import JobSpec, SpecError, dump_spec, load_spec, read_raw, spec_to_dict
+from elasticrl.world import world_paths
 
 
 class MetricsLog:
@@ -188,23 +191,40 @@ def finished_run(spec: JobSpec, output: Path) -> dict | None:
     return None  # more steps: find_resume continues from the newest checkpoint (and checks the spec)
 
 
-def check_user_files(spec: JobSpec, read) -> None:
-    """The user's data files (data.train, data.eval) read with ``read`` before Ray starts: a
-    bad line fails in seconds, naming the file and line, not after the models have loaded."""
-    for path in filter(None, (spec.data.train, spec.data.eval)):
-        read(path)
+def data_paths(spec: JobSpec, train: str, eval: str) -> dict[str, str]:
+    """Where a job's data is: ``data.train`` and ``data.eval``, or where one is null the
+    embedded world's file named ``train`` / ``eval`` (``world.world_paths``: sft, rl_prompts,
+    eval, preference, preference_eval)."""
+    world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
+    return {"train": spec.data.train or str(world[train]), "eval": spec.data.eval or str(world[eval])}
 
 
-def find_resume(spec: JobSpec, output: Path) -> Path | None:
-    """The checkpoint to resume from, per ``checkpoint.resume``, checked before anything runs
-    (``engine.checkpoint.check_resumable``). Call it before ``prepare_output``."""
+def check_user_files(spec: JobSpec, train, eval=()) -> None:
+    """The user's data files read before Ray starts, so that a bad one fails in seconds, naming
+    the spec field, the file, the line and the row's field, not after the models have loaded.
+    ``train`` / ``eval``: the fields (``data.records.Fields``) a row of that file needs, or a
+    function that reads and checks the file itself."""
+    for name, want in (("train", train), ("eval", eval)):
+        path = getattr(spec.data, name)
+        if path is None:
+            continue
+        try:
+            want(path) if callable(want) else read_records(path, want, check=True, data=spec.data)
+        except ValueError as exc:
+            raise SpecError(f"data.{name}", str(exc)) from None
+
+
+def find_resume(spec: JobSpec, output: Path) -> ckpt.Resume:
+    """The checkpoint to resume from, per ``checkpoint.resume`` (an empty ``Resume``: the
+    start), checked before anything runs (``engine.checkpoint.check_resumable``). Call it
+    before ``prepare_output``."""
     choice = spec.checkpoint.resume
     if choice is None:
-        return None
+        return ckpt.Resume()
     if choice == "auto":
-        found = list_checkpoints(output / "checkpoints")
+        found = list_checkpoints(output / ckpt.CHECKPOINTS)
         if not found:
-            return None
+            return ckpt.Resume()
         path = found[-1][1]
     else:
         path = Path(choice)
@@ -212,7 +232,41 @@ def find_resume(spec: JobSpec, output: Path) -> Path | None:
             raise ValueError(f"checkpoint.resume: {path} is not a checkpoint folder (no {ckpt.STATE_FILE})")
     state = ckpt.check_resumable(path, spec)
     print(f"{ckpt.RESUMING} {path.name} (step {state['step']})", file=sys.stderr, flush=True)
-    return path
+    return ckpt.Resume(path, state)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When a trainer evaluates, writes a metrics row and checkpoints: every trainer asks this
+    one object (a component owns its "when"; the loop only asks). ``done`` counts the steps
+    finished (1 after the first), of ``total``; ``since``: the ``done`` of the previous call
+    when a trainer advances by more than one step at a time (a round of several)."""
+
+    spec: JobSpec
+    total: int
+
+    def evaluate_start(self) -> bool:
+        """The starting model is evaluated (step 0) whenever evaluation is on."""
+        return self.spec.eval.enabled
+
+    def evaluate(self, done: int, since: int | None = None) -> bool:
+        """Every ``eval.every_steps`` and at the end, unless ``eval.enabled`` is false."""
+        return self.spec.eval.enabled and (self._crosses(self.spec.eval.every_steps, done, since)
+                                           or done == self.total)
+
+    def log(self, done: int, evaluated: bool) -> bool:
+        """A metrics row every ``log.every_steps``, at the first and the last step and with an evaluation."""
+        return done % self.spec.log.every_steps == 0 or evaluated or done in (1, self.total)
+
+    def checkpoint(self, done: int, since: int | None = None) -> bool:
+        """Every ``checkpoint.every_steps`` and at the end; never when it is 0."""
+        every = self.spec.checkpoint.every_steps
+        return bool(every) and (self._crosses(every, done, since) or done == self.total)
+
+    @staticmethod
+    def _crosses(every: int, done: int, since: int | None) -> bool:
+        since = done - 1 if since is None else since
+        return bool(every) and done // every > since // every
 
 
 def num_steps(max_steps: int, num_epochs: float, num_records: int, global_batch: int) -> int:
@@ -245,7 +299,7 @@ def save_checkpoint(groups: dict, spec: JobSpec, output: Path, step: int, state:
     the next sample; for the trainers on a fixed dataset step x batch) joins the step in
     trainer_state.json."""
     state = state or {"samples_seen": step * spec.train.global_batch_size}
-    root = output / "checkpoints"
+    root = output / ckpt.CHECKPOINTS
     try:
         with ckpt.new_checkpoint(root, step, spec.checkpoint.keep) as tmp:
             for role, group in groups.items():
@@ -268,37 +322,33 @@ def save_checkpoint(groups: dict, spec: JobSpec, output: Path, step: int, state:
                            f"{fewer}{kept}") from exc
 
 
-def eval_due(spec: JobSpec, done: int, total: int) -> bool:
-    """Whether the held-out evaluation runs after step ``done`` of ``total``: every
-    ``eval.every_steps`` and at the end, unless ``eval.enabled`` is false."""
-    every = spec.eval.every_steps
-    return spec.eval.enabled and (bool(every and done % every == 0) or done == total)
-
-
 def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str,
-                 start: int | None = None) -> dict:
+                 start: int = 0) -> dict:
     """The driver of the trainers on a fixed dataset (rm, prm, dpo, kto): evaluate the start,
     then step, log, evaluate every ``eval.every_steps`` and at the end, checkpoint, export.
-    ``step_row(results of the data-parallel leaders)`` makes a step's metrics; ``show`` names
-    the eval figure on the progress bar; ``start``: the step a resumed run continues after."""
-    metrics = MetricsLog(output, spec, resume_step=start)
-    progress = Progress(total, start or 0, spec.log.progress_bar, desc=spec.algorithm)
+    ``step_row(results of the data-parallel leaders, steps done, the step's seconds)`` makes a
+    step's metrics; ``show`` names the eval figure on the progress bar; ``start``: the step a
+    resumed run continues after."""
+    metrics = MetricsLog(output, spec, resume_step=start or None)
+    progress = Progress(total, start, spec.log.progress_bar, desc=spec.algorithm)
+    when = Cadence(spec, total)
     summary: dict = {}
-    if not start and spec.eval.enabled:
+    if not start and when.evaluate_start():
         summary["initial"] = evaluate()
         metrics.write({"step": 0, **summary["initial"]})
     row: dict = {}
-    for step in range(start or 0, total):
+    for step in range(start, total):
         t0 = time.time()
         res = [r for r in group.call("train_step", step) if r["leader"]]
         done = step + 1
-        row = {"step": done, **step_row(res), "step_seconds": time.time() - t0}
-        evaluated = eval_due(spec, done, total)
+        seconds = time.time() - t0
+        row = {"step": done, **step_row(res, done, seconds), "step_seconds": seconds}
+        evaluated = when.evaluate(done)
         if evaluated:
             row.update(evaluate())
-        if done % spec.log.every_steps == 0 or evaluated:
+        if when.log(done, evaluated):
             metrics.write(row)
-        if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == total):
+        if when.checkpoint(done):
             save_checkpoint({"actor": group}, spec, output, done)
-        progress.update(loss=row["loss"], **({show: row[f"eval/{show}"]} if evaluated else {}))
+        progress.update(loss=row["loss"], **({show: row[f"eval/{show}"]} if evaluated and show else {}))
     return finish_run(group, spec, output, summary, row, progress, metrics)

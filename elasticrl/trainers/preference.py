@@ -24,16 +24,15 @@ from elasticrl import backend
 from elasticrl.algorithms.preference import dpo_loss, kto_loss
 from elasticrl.cluster import Placement, RoleGroup, ray_session
 from elasticrl.data.records import prompt_answer, read_records, sample_indices, tokenize_sft
-from elasticrl.engine.rank import TrainRank
 from elasticrl.models import torch_dtype
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.models.load import load_causal_lm
 from elasticrl.models.scoring import response_logps
 from elasticrl.plan.roles import cpus_needed
-from elasticrl.spec import JobSpec, load_spec, spec_to_dict
+from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.trainers.loop import check_user_files, data_paths, find_resume, num_steps, offline_loop, prepare_output
 from elasticrl.trainers.warm_start import initial_model
-from elasticrl.engine.checkpoint import read_trainer_state
-from elasticrl.trainers.loop import find_resume, num_steps, offline_loop, prepare_output
+from elasticrl.trainers.worker import RankWorker
 from elasticrl.world import world_paths
 
 
@@ -44,15 +43,15 @@ def unpaired(pairs: list[dict], spec: JobSpec) -> list[dict]:
             for p in pairs for key in (d.chosen_key, d.rejected_key)]
 
 
-class PreferenceWorker:
+class PreferenceWorker(RankWorker):
     def __init__(self, spec: dict, paths: dict[str, str]):
-        self.spec = load_spec(spec)
+        super().__init__(spec, paths["model"])
         self.paths = paths
 
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         """``resume``: the trained copy continues from a checkpoint; the reference stays the start."""
+        super().setup(rank, world_size, addr, port, total_steps, resume)
         s, d = self.spec, self.spec.data
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, resume=resume)
         self.tok = self.core.tokenizer
         pair_keys = (d.prompt_key, d.chosen_key, d.rejected_key)
         if s.algorithm == "kto" and self.paths["train_kind"] == "unpaired":
@@ -110,15 +109,6 @@ class PreferenceWorker:
         """Train on these pairs from now on (iterative DPO: each round's)."""
         d = self.spec.data
         self.records = read_records(path, (d.prompt_key, d.chosen_key, d.rejected_key))
-
-    def attach_rollout(self, *args) -> str:
-        return self.core.attach_rollout(*args)
-
-    def sync_weights(self, version: int) -> dict:
-        return self.core.sync_weights(version)
-
-    def detach_rollout(self) -> None:
-        self.core.detach_rollout()
 
     def use_reference_table(self, table: dict) -> None:
         self.table = table
@@ -198,15 +188,11 @@ class PreferenceWorker:
                 device=core.device)
         return out
 
-    def save(self, folder): self.core.save(folder)
-    def export(self, folder): self.core.export(folder)
 
 
 def resolve_preference_paths(spec: JobSpec) -> dict[str, str]:
-    world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
-    paths = {"model": initial_model(spec), "train": spec.data.train or str(world["preference"]),
-             "eval": spec.data.eval or str(world["preference_eval"]),
-             "eval_prompts": str(world["eval"]) if "eval" in world else ""}
+    paths = {"model": initial_model(spec), **data_paths(spec, "preference", "preference_eval"),
+             "eval_prompts": str(world_paths(spec.world)["eval"]) if None in (spec.data.train, spec.data.eval) else ""}
     paths["train_kind"] = _train_kind(spec, paths["train"])
     return paths
 
@@ -216,48 +202,42 @@ def _train_kind(spec: JobSpec, path: str) -> str:
     return "unpaired" if spec.data.label_key in first and spec.data.chosen_key not in first else "pairs"
 
 
-def _check_user_data(spec: JobSpec) -> None:
-    """The user's preference files, read before Ray starts."""
+def _train_fields(spec: JobSpec, kind: str) -> tuple:
     d = spec.data
-    if d.train:
-        kind = _train_kind(spec, d.train)
-        read_records(d.train, (d.prompt_key, d.response_key, d.label_key) if kind == "unpaired" else
-                     (d.prompt_key, d.chosen_key, d.rejected_key), check=True)
-    if d.eval:
-        read_records(d.eval, (d.prompt_key, d.chosen_key, d.rejected_key), check=True)
+    return (d.prompt_key, d.response_key, d.label_key) if kind == "unpaired" else \
+        (d.prompt_key, d.chosen_key, d.rejected_key)
 
 
 def run_preference(spec: JobSpec, output: Path) -> dict:
-    resume_dir = find_resume(spec, output)
+    resume = find_resume(spec, output)
     output = prepare_output(spec, output)
     t = spec.train
-    _check_user_data(spec)
+    check_user_files(spec, lambda path: read_records(path, _train_fields(spec, _train_kind(spec, path)), check=True,
+                                                     data=spec.data),
+                     _train_fields(spec, "pairs"))
     with ray_session(spec.ray, cpus_needed(spec)):
         paths = resolve_preference_paths(spec)
         group = Placement(spec).group("actor", PreferenceWorker, spec_to_dict(spec), paths, name="trainer")
         try:
             records = _count_records(spec, paths)
             total = num_steps(t.max_steps, t.num_epochs, records, t.global_batch_size)
-            group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
+            group.setup(total, resume=resume.role("actor"))
             if spec.preference.reference == "precomputed":
                 drawn = total * t.global_batch_size  # only the pairs the run will draw
                 keys = list(range(records)) if drawn >= records else \
                     sorted(set(sample_indices(records, spec.seed, 0, drawn, spec.data.shuffle)))
                 shares = group.call("reference_share", keys, spec.eval.num_prompts)
-                table = {split: {k: v for share in shares for k, v in share[split].items()} for split in ("train", "eval")}
+                table = {split: {k: v for share in shares for k, v in share[split].items()}
+                         for split in ("train", "eval")}
                 group.call("use_reference_table", ray.put(table))
-            summary = _train(spec, group, output, total, read_trainer_state(resume_dir)["step"] if resume_dir else None)
+            return _train(spec, group, output, total, resume.step)
         finally:
             group.shutdown()
-    return summary
 
 
 def _count_records(spec: JobSpec, paths: dict) -> int:
-    d = spec.data
-    if paths["train_kind"] == "unpaired":
-        return len(read_records(paths["train"], (d.prompt_key, d.response_key, d.label_key)))
-    pairs = len(read_records(paths["train"], (d.prompt_key, d.chosen_key, d.rejected_key)))
-    return 2 * pairs if spec.algorithm == "kto" else pairs
+    records = len(read_records(paths["train"], _train_fields(spec, paths["train_kind"])))
+    return 2 * records if spec.algorithm == "kto" and paths["train_kind"] == "pairs" else records
 
 
 def _evaluate(group, spec) -> dict:
@@ -271,8 +251,8 @@ def _evaluate(group, spec) -> dict:
     return row
 
 
-def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int, start: int | None) -> dict:
-    def step_row(res):
+def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int, start: int) -> dict:
+    def step_row(res, *_):
         rows = sum(r["rows"] for r in res)
         row = {"loss": sum(r["loss_sum"] for r in res), "lr": res[0]["lr"]}
         if spec.algorithm == "kto":  # "correct" counts the desirable rows

@@ -22,10 +22,10 @@ import torch
 
 from elasticrl.algorithms.preference import process_reward_loss
 from elasticrl.data.records import format_prompt, pad_batch, read_records
-from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
 from elasticrl.spec import JobSpec
 from elasticrl.trainers.rm import RMWorker, run_head_trainer
+from elasticrl.trainers.worker import RankWorker
 
 
 def step_keys(spec: JobSpec) -> tuple[str, ...]:
@@ -95,13 +95,12 @@ def step_metrics(solutions: list[tuple[str, list[float], list[float]]]) -> dict:
 
 class PRMWorker(RMWorker):
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
+        out = RankWorker.setup(self, rank, world_size, addr, port, total_steps, resume)
         s = self.spec
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value",
-                              resume=resume)
         self.marker = marker_id(self.core.tokenizer, s.data.step_marker)
         self.examples = read_step_records(self.paths["train"], s)
         self.eval_examples = read_step_records(self.paths["eval"], s)
-        return {"dtype": self.core.dtype}
+        return out
 
     def _logits(self, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head's values [B, T], the marker mask and the labels laid on it."""
@@ -157,7 +156,7 @@ def _evaluate(group, spec: JobSpec) -> dict:
     return step_metrics([row[1:] for row in rows])
 
 
-def _step_row(res: list[dict]) -> dict:
+def _step_row(res: list[dict], *_) -> dict:
     return {"loss": sum(r["loss_sum"] for r in res),
             "step_accuracy": sum(r["right"] for r in res) / max(1, sum(r["steps"] for r in res)),
             "lr": res[0]["lr"]}

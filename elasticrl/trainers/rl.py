@@ -18,193 +18,61 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
 
-from elasticrl import backend
 from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, overlong_penalty, varying_groups
 from elasticrl.algorithms.kl import KL_ESTIMATORS
-from elasticrl.algorithms.normalize import RunningMoments, masked_whiten
-from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable, ray_session
-from elasticrl.data.records import (Records, format_prompt, prompt_answer, prompt_of, prompt_text, read_records,
-                                    sample_indices)
-from elasticrl.engine import checkpoint as ckpt
-from elasticrl.engine.checkpoint import list_checkpoints
+from elasticrl.algorithms.normalize import masked_whiten
+from elasticrl.cluster import RoleError, ray_session
+from elasticrl.data.records import format_prompt, prompt_answer, prompt_of, prompt_text, read_records, sample_indices
+from elasticrl.engine.checkpoint import Resume
 from elasticrl.models import load_tokenizer
-from elasticrl.rewards.verifiers import full_marks
-from elasticrl.plan.planner import fewer_ranks
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
-from elasticrl.rollout.pool import RolloutPool, evaluate_answers, sampling_params
-from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.rewards.verifiers import full_marks
+from elasticrl.rollout.pool import sampling_params
+from elasticrl.rollout.sample import Sample
+from elasticrl.spec import JobSpec
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, advantage_of
 from elasticrl.spec.schema import RewardModelSpec
-from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
-from elasticrl.trainers.loop import (MetricsLog, Progress, asked_engines, check_user_files, eval_due, find_resume,
-                                     finish_run, prepare_output, save_checkpoint)
-from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
+from elasticrl.trainers.batch import Experience, behaviour_logprobs, gather_rows, pack
+from elasticrl.trainers.evaluate import evaluate_answers
+from elasticrl.trainers.loop import (
+    MetricsLog,
+    Progress,
+    asked_engines,
+    check_user_files,
+    data_paths,
+    find_resume,
+    finish_run,
+    prepare_output,
+)
+from elasticrl.trainers.rl_run import (
+    PHASES,
+    Encoded,
+    Roles,
+    Run,
+    driver_state,
+    merged,
+    recover,
+    resume_state,
+    save,
+    trained_groups,
+)
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
 from elasticrl.world import world_paths
 
-log = logging.getLogger(__name__)
-PHASES = ("rollout", "experience", "train", "sync")
 
-
-# --- set-up -----------------------------------------------------------------------------
 def resolve_rl_paths(spec: JobSpec) -> dict[str, str]:
-    world = world_paths(spec.world) if (spec.data.train is None or spec.data.eval is None or
-                                        spec.rl.ptx_coef > 0) else {}
-    return {"model": initial_model(spec), "prompts": spec.data.train or str(world["rl_prompts"]),
-            "eval": spec.data.eval or str(world["eval"]), "sft": str(world.get("sft", ""))}
-
-
-def critic_train(spec: JobSpec, ranks: int | None = None) -> dict:
-    """The critic's own train settings: its rank count (``ranks``: fewer than the spec's, after
-    a node was lost), and the actor's micro-batch unless that does not divide its share of a
-    mini-batch (then the whole share, with a warning)."""
-    t, ranks = spec.train, ranks or spec.critic.num_ranks
-    mbs = t.micro_batch_size
-    if t.global_batch_size % (mbs * ranks):
-        mbs = t.global_batch_size // ranks
-        log.warning("train.micro_batch_size: %d does not divide the critic's share of a mini-batch "
-                    "(train.global_batch_size %d over critic.num_ranks %d); the critic uses micro-batches of %d",
-                    t.micro_batch_size, t.global_batch_size, ranks, mbs)
-    return {"num_ranks": ranks, "tp_size": 1, "global_batch_size": t.global_batch_size, "micro_batch_size": mbs}
-
-
-class Roles:
-    """Every role of the job, placed by ``cluster.Placement`` (``placement.colocate``)."""
-
-    def __init__(self, spec: JobSpec, paths: dict[str, str], total_updates: int, resume_dir: Path | None = None):
-        """``resume_dir``: a checkpoint the actor and the critic continue from."""
-        d = spec_to_dict(spec)
-        self.spec, self.dict, self.paths, self.total_updates = spec, d, paths, total_updates
-        self.placement = p = Placement(spec)
-        idle = spec.placement.offload_idle
-        if idle and not backend.has_gpu():
-            log.warning("placement.offload_idle: ignored without GPUs (frozen models stay in host memory anyway)")
-        self.groups: list[RoleGroup] = []
-        self.actor = self.critic = None
-        t0 = time.time()
-        # the engines start first and load while the trained and frozen roles are built
-        self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
-                                spec.model.trust_remote_code, where=p.options("rollout"), wait=False)
-        self.groups.append(self.pool.group)
-        # the frozen roles load while the trained ones are built
-        self.reference, self.rewards, frozen = None, [], []
-        if "reference" in p.roles:
-            self.reference = self._add(p.group("reference", FrozenWorker, d, paths["model"], "reference", idle))
-            frozen.append(self.reference.setup(wait=False))
-        for i, m in enumerate(spec.rewards.models):
-            g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
-            frozen.append(g.setup(wait=False))
-            self.rewards.append((g, m.weight))
-        self.form_trained(resume_dir)
-        for wait in frozen:
-            wait()
-        t_models = time.time()
-        self.pool.ready()
-        self.startup = {"models_s": round(t_models - t0, 1), "roles_s": round(time.time() - t0, 1)}
-
-    def form_trained(self, resume_dir: Path | None, elastic: bool = False) -> None:
-        """The trained roles, the actor and (ppo) the critic, from ``resume_dir``'s checkpoint or
-        the start model; called again after one of their ranks was lost (``elastic``), which
-        tears the old groups down first (the engines, the reference and the rewards stay up)
-        and re-forms each on fewer ranks when its own can no longer be placed."""
-        spec, d, p = self.spec, self.dict, self.placement
-        for g in (self.actor, self.critic):
-            if g is not None:
-                self.groups.remove(g)
-                g.shutdown()
-        resume = (lambda role: str(resume_dir / role) if resume_dir else None)  # noqa: E731
-        self.actor = self._add(self._trained("actor", elastic, lambda ranks, timeout: p.group(
-            "actor", ActorWorker, d, self.paths["model"], ranks=ranks, place_timeout_s=timeout)))
-        if spec.rl.ptx_coef > 0:
-            self.actor.call("set_ptx_data", self.paths["sft"])
-        self.actor.setup(self.total_updates, resume=resume("actor"))
-        if "critic" in p.roles:
-            init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else self.paths["model"])
-            self.critic = self._add(self._trained("critic", elastic, lambda ranks, timeout: p.group(
-                "critic", CriticWorker, d, init, critic_train(spec, ranks), spec.critic.lr, ranks=ranks,
-                place_timeout_s=timeout)))
-            self.critic.setup(self.total_updates, resume=resume("critic"))
-
-    def _trained(self, role: str, elastic: bool, make) -> RoleGroup:
-        """``make(ranks, place_timeout_s)`` at the job's rank count; when ``elastic`` and those no
-        longer fit (a node is gone), at the most ranks the planner keeps the global batch with."""
-        ranks = self.placement.roles[role].ranks
-        if not elastic or role in self.placement.shared:  # colocated: its bundles are shared
-            return make(ranks, 300)
-        while True:
-            try:
-                return make(ranks, self.spec.fault.place_timeout_s)
-            except Unplaceable as exc:
-                fewer = fewer_ranks(self.spec, role, min(ranks - 1, exc.room if exc.room is not None else ranks))
-                if not fewer:
-                    raise
-                print(f"{exc}; re-forming {role} on {fewer} rank(s)", file=sys.stderr, flush=True)
-                ranks = fewer
-
-    def threads(self) -> dict[str, int]:
-        """Role -> CPU threads its rank 0 computes with (``train.threads``)."""
-        return {g.role: g.call_rank(0, "threads") for g in self.groups if g is not self.pool.group}
-
-    def layout(self) -> dict[str, str]:
-        """Role -> id of the placement group it runs on (colocated roles share one)."""
-        return {g.role: g.pg.id.hex()[:12] for g in self.groups}
-
-    def _add(self, group: RoleGroup) -> RoleGroup:
-        self.groups.append(group)
-        return group
-
-    def shutdown(self) -> None:
-        for g in reversed(self.groups):
-            try:
-                if g is self.pool.group:
-                    self.pool.shutdown()
-                else:
-                    g.shutdown()
-            except Exception as exc:  # keep tearing down the others
-                log.warning("shutting down %s: %s", g.role, exc)
-        self.placement.remove()
-
-
-# --- the run and its step ---------------------------------------------------------------
-@dataclass
-class Run:
-    """What the steps of an RL run share and carry from one to the next."""
-
-    spec: JobSpec                                    # the job's (with a trained reward model filled in)
-    roles: Roles
-    rewards: RewardSources
-    tokenizer: object
-    prompts: Records
-    prompt_ids: Encoded
-    evals: Records
-    eval_ids: list[list[int]]
-    output: Path
-    asked: JobSpec | None = None                     # the spec as the user gave it, which checkpoints record
-    metrics: MetricsLog | None = None
-    progress: Progress | None = None
-    moments: RunningMoments = field(default_factory=RunningMoments)
-    version: int = 0                                 # weight version in the engines
-    drawn: int = 0                                   # prompts drawn so far: the data position
-    pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
-    totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    checkpoints: list = field(default_factory=list)  # (seconds, bytes) of each checkpoint written
-    saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
-    restarts: int = 0                                # times the trained roles were re-formed (L3)
-    recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
-    scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
-    seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
-    copy: tuple | None = None                        # (step, {role: files}, driver state): fault.memory_copy_steps
+    data = data_paths(spec, "rl_prompts", "eval")
+    return {"model": initial_model(spec), "prompts": data["train"], "eval": data["eval"],
+            "sft": str(world_paths(spec.world)["sft"]) if spec.rl.ptx_coef > 0 else ""}
 
 
 @dataclass
@@ -213,9 +81,9 @@ class Step:
 
     step: int
     indices: list[int]                    # the prompts' record indices
-    results: list[dict]                   # completions, n per prompt, in prompt order
+    results: list[Sample]                 # completions, n per prompt, in prompt order
     generated: int = 0                    # tokens the engines generated for them
-    batch: dict | None = None             # tensors for the trainers (None: nothing to train on)
+    batch: Experience | None = None       # tensors for the trainers (None: nothing to train on)
     info: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     sync: dict = field(default_factory=dict)
@@ -231,11 +99,11 @@ def _timed(s: Step, phase: str):
 
 def run_rl(spec: JobSpec, output: Path) -> dict:
     started = time.time()  # an `elasticrl scale` asked while the job starts up applies too
-    resume_dir = find_resume(spec, output)
+    resume = find_resume(spec, output)
     output = prepare_output(spec, output)
     asked = spec
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
-    check_user_files(spec, lambda path: _check_prompts(spec, path))
+    check_user_files(spec, lambda path: _check_prompts(spec, path), prompt_answer(spec.data))
     # the reward functions' process starts first: one that does not import fails before Ray
     with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
@@ -251,7 +119,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         rl = spec.rl
         total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
             // spec.train.global_batch_size
-        roles = Roles(spec, paths, total_updates, resume_dir)
+        roles = Roles(spec, paths, total_updates, resume)
         summary["placement"] = roles.layout()
         summary["startup"] = roles.startup
         summary["threads"] = threads = roles.threads()
@@ -262,21 +130,10 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
             evals_used = range(min(len(evals), spec.eval.num_prompts or len(evals)))
             run = Run(spec, roles, rewards, tok, prompts, prompt_ids, evals, [eval_ids[i] for i in evals_used], output,
                       asked, scale_seen=started)
-            summary.update(_train_run(run, resume_dir))
+            summary.update(_train_run(run, resume))
         finally:
             roles.shutdown()
     return summary
-
-
-class Encoded:
-    """The token ids of a dataset's prompts, encoded when asked for (a large dataset is not
-    tokenised up front, nor held in memory)."""
-
-    def __init__(self, records, encode):
-        self.records, self.encode = records, encode
-
-    def __getitem__(self, i: int) -> list[int]:
-        return self.encode(self.records[i])
 
 
 def _check_prompts(spec: JobSpec, path: str) -> None:
@@ -289,7 +146,7 @@ def _check_prompts(spec: JobSpec, path: str) -> None:
         tok.chat_template = spec.data.chat_template or tok.chat_template
     else:
         tok = load_tokenizer(spec.model.path, spec.model.trust_remote_code, spec.data.chat_template)
-    _encode(spec, tok, read_records(path, prompt_answer(spec.data), check=True)[0])
+    _encode(spec, tok, read_records(path, prompt_answer(spec.data), check=True, data=spec.data)[0])
 
 
 def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
@@ -297,16 +154,16 @@ def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _train_run(run: Run, resume_dir: Path | None) -> dict:
+def _train_run(run: Run, resume: Resume) -> dict:
     spec, roles = run.spec, run.roles
-    start = _resume(run, resume_dir) if resume_dir else 0
+    start = resume_state(run, resume) if resume.folder else 0
     transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                                   str(run.output / "weights"))
-    if resume_dir:
+    if resume.folder:
         roles.pool.sync(run.version)
-    run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume_dir else None)
+    run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume.folder else None)
     summary: dict = {"transport": transport}
-    if start == 0 and spec.eval.every_steps and spec.eval.enabled:
+    if start == 0 and run.cadence.evaluate_start():
         summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals,
                                                             run.rewards.verify)}
         run.metrics.write(summary["initial"])
@@ -338,55 +195,6 @@ def _train_run(run: Run, resume_dir: Path | None) -> dict:
     return summary
 
 
-def _resume(run: Run, folder: Path) -> int:
-    """What the driver carries between steps, from a checkpoint (the actor and the critic
-    started from it already); returns the step to continue from."""
-    state = ckpt.read_trainer_state(folder)
-    run.version = state["version"]
-    run.drawn = state.get("prompts_seen", state["step"] * run.spec.rl.prompts_per_step)
-    run.moments.mean, run.moments.var, run.moments.count = state["reward_moments"]
-    return state["step"]
-
-
-def recover(run: Run, exc: RoleError, step: int) -> int:
-    """Elasticity L3: a rank of the actor or the critic died or hung during step ``step``
-    (0-based). Re-form both from the newest checkpoint (the start model without one), bring
-    the driver's state and the metrics back to it, sync its weights into the engines, and
-    return the step to continue from; the steps redone repeat (same data, same seeds). Any
-    other failure, or one past ``fault.max_restarts``, ends the run as before."""
-    spec, roles = run.spec, run.roles
-    if not exc.lost or exc.role not in ("actor", "critic") or run.restarts >= spec.fault.max_restarts:
-        raise exc
-    t0 = time.time()
-    run.restarts += 1
-    run.pending.clear()  # rolled out ahead on weights the restored roles never had
-    found = list_checkpoints(run.output / "checkpoints")
-    source = "the newest checkpoint" if found else "the start"
-    if run.copy and (not found or run.copy[0] > found[-1][0]):  # the in-memory copy is newer: it becomes one
-        copied, files, state = run.copy
-        save_checkpoint(files, run.asked, run.output, copied, state)
-        found, source, run.copy = list_checkpoints(run.output / "checkpoints"), "the in-memory copy", None
-    folder = found[-1][1] if found else None
-    roles.form_trained(folder, elastic=True)
-    if folder is None:
-        run.version, run.moments, run.drawn, start = 0, RunningMoments(), 0, 0
-    else:
-        start = _resume(run, folder)
-    run.metrics.close()
-    run.metrics = MetricsLog(run.output, run.asked, resume_step=start)
-    roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(run.output / "weights"))
-    roles.pool.sync(run.version)
-    run.seconds_lost += time.time() - run.saved_at
-    run.saved_at = time.time()
-    run.recoveries.append({"what": exc.what, "step": step + 1, "from_step": start, "from": source,
-                           "ranks": roles.actor.num_ranks, "seconds": round(time.time() - t0, 1),
-                           "recovered_at": time.time()})
-    print(f"{exc.what} at step {step + 1}; recovered in {time.time() - t0:.1f} s from step {start} ({source}) on "
-          f"{roles.actor.num_ranks} rank(s) ({run.restarts} of fault.max_restarts {spec.fault.max_restarts})",
-          file=sys.stderr, flush=True)
-    return start
-
-
 # --- the phases -------------------------------------------------------------------------
 def rollout(run: Run, step: int) -> Step:
     """This step's completions: rolled out now, or ahead on older weights (async)."""
@@ -401,11 +209,11 @@ def rollout(run: Run, step: int) -> Step:
             _submit(run, step)
         _, s.indices, handle = run.pending.popleft()
         s.results = run.roles.pool.collect(handle)
-        s.generated = sum(len(r["token_ids"]) for r in s.results)
+        s.generated = sum(len(r.token_ids) for r in s.results)
         depth = rl.max_staleness if rl.async_rollout else 0
         while len(run.pending) < depth and step + 1 + len(run.pending) < rl.num_steps:
             ahead = step + 1 + len(run.pending)
-            if any(_checkpoint_after(run.spec, t) for t in range(step, ahead)):
+            if any(run.cadence.checkpoint(t + 1) for t in range(step, ahead)):
                 break  # nothing is in flight at a checkpoint: a resumed run rolls out as this one does
             _submit(run, ahead)  # on the current weights
     return s
@@ -446,16 +254,16 @@ def experience(run: Run, s: Step) -> None:
 def _pack(run: Run, s: Step) -> None:
     """``s.batch``: the step's prompts and completions as the trainers' tensors."""
     drawn = [run.prompt_ids[i] for i in s.indices]
-    p_ids = [drawn[r["prompt_index"]] for r in s.results]
-    s.batch = pack(p_ids, [r["token_ids"] for r in s.results], run.tokenizer.pad_token_id)
+    p_ids = [drawn[r.prompt_index] for r in s.results]
+    s.batch = pack(p_ids, [r.token_ids for r in s.results], run.tokenizer.pad_token_id)
 
 
 def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
     """The rewards of the batch ``s.batch`` (``batch_ref``: it in Ray's store); reward and
     accuracy figures."""
     spec, rl = run.spec, run.spec.rl
-    texts = [r["text"] for r in s.results]
-    recs = [run.prompts[s.indices[r["prompt_index"]]] for r in s.results]
+    texts = [r.text for r in s.results]
+    recs = [run.prompts[s.indices[r.prompt_index]] for r in s.results]
     models = [(lambda g=g: gather_rows(g.call("score", batch_ref), "values"), w) for g, w in run.roles.rewards]
     scores = run.rewards([prompt_text(r, spec.data) for r in recs], texts, [r.get(spec.data.answer_key) for r in recs],
                          models, where=f"step {s.step + 1}")
@@ -464,8 +272,8 @@ def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
     correct = torch.tensor([float(full_marks(v)) for v in scores.verified])
     s.info = {"reward/mean": kept.mean().item() if len(kept) else 0.0,
               "reward/std": kept.std().item() if len(kept) > 1 else 0.0,
-              "accuracy": correct.mean().item(), "response_length": s.batch["response_mask"].sum(1).mean().item(),
-              "rl/staleness": run.version - min(r["weight_version"] for r in s.results), **scores.info}
+              "accuracy": correct.mean().item(), "response_length": s.batch.response_mask.sum(1).mean().item(),
+              "rl/staleness": run.version - min(r.weight_version for r in s.results), **scores.info}
     if s.info["rl/staleness"] > (rl.max_staleness if rl.async_rollout else 0):
         raise RuntimeError(f"rollout staleness {s.info['rl/staleness']} exceeds the bound")  # an invariant
     return raw
@@ -478,7 +286,7 @@ def _drop(run: Run, s: Step, scores) -> torch.Tensor:
     raw, keep = scores.total, scores.keep
     if keep.all():
         return raw
-    s.batch["response_mask"][~keep] = 0
+    s.batch.response_mask[~keep] = 0
     k = run.spec.rl.samples_per_prompt
     groups, kept = raw.view(-1, k), keep.view(-1, k)
     means = (groups * kept).sum(1, keepdim=True) / kept.sum(1, keepdim=True).clamp(min=1)
@@ -489,13 +297,13 @@ def _overlong(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tensor:
     """DAPO's overlong handling: the soft punishment added to the rewards (``rl.overlong_buffer``),
     and truncated responses (cut at rl.max_new_tokens) out of the loss (``rl.overlong_filter``)."""
     rl = run.spec.rl
-    cut = torch.tensor([r.get("finish_reason") == "length" for r in s.results])
+    cut = torch.tensor([r.finish_reason == "length" for r in s.results])
     s.info["rl/truncated"] = cut.float().mean().item()
     if rl.overlong_buffer:
-        lengths = torch.tensor([len(r["token_ids"]) for r in s.results])
+        lengths = torch.tensor([len(r.token_ids) for r in s.results])
         rewards = rewards + overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
     if rl.overlong_filter:
-        s.batch["response_mask"][cut] = 0
+        s.batch.response_mask[cut] = 0
     return rewards
 
 
@@ -507,7 +315,7 @@ def _keep_varying_groups(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tens
     ``reward/mean`` and ``accuracy`` stay those of the step's first draw."""
     rl, B, n = run.spec.rl, run.spec.train.global_batch_size, run.spec.rl.samples_per_prompt
     want, draws, seen = rl.prompts_per_step * n, 1, len(s.results)
-    out_of_loss = s.batch["response_mask"].sum(1) == 0  # dropped or overlong rows stay out after re-packing
+    out_of_loss = s.batch.response_mask.sum(1) == 0  # dropped or overlong rows stay out after re-packing
     keep = varying_groups(rewards, n)
     results, kept, off = [s.results[i] for i in keep.tolist()], [rewards[keep]], [out_of_loss[keep]]
     while len(results) < want and draws < rl.dynamic_sampling_max_draws:
@@ -515,15 +323,16 @@ def _keep_varying_groups(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tens
         more = Step(s.step, _draw(run), [])
         more.results = run.roles.pool.generate([run.prompt_ids[i] for i in more.indices],
                                                sampling_params(run.spec, s.step))
-        s.generated += sum(len(r["token_ids"]) for r in more.results)
+        s.generated += sum(len(r.token_ids) for r in more.results)
         _pack(run, more)
         extra = _overlong(run, more, _score(run, more, ray.put(more.batch)))
         keep = varying_groups(extra, n)
         base = len(s.indices)
         s.indices = s.indices + more.indices
-        results += [{**more.results[i], "prompt_index": more.results[i]["prompt_index"] + base} for i in keep.tolist()]
+        results += [dataclasses.replace(more.results[i], prompt_index=more.results[i].prompt_index + base)
+                    for i in keep.tolist()]
         kept.append(extra[keep])
-        off.append((more.batch["response_mask"].sum(1) == 0)[keep])
+        off.append((more.batch.response_mask.sum(1) == 0)[keep])
         seen += len(more.results)
     usable = min(len(results), want) // B * B
     usable -= usable % n
@@ -533,7 +342,7 @@ def _keep_varying_groups(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tens
         s.batch = None
         return torch.zeros(0)
     _pack(run, s)
-    s.batch["response_mask"][torch.cat(off)[:usable]] = 0
+    s.batch.response_mask[torch.cat(off)[:usable]] = 0
     return torch.cat(kept)[:usable]
 
 
@@ -565,11 +374,11 @@ def _model_passes(run: Run, s: Step, rewards: torch.Tensor, passes: dict) -> tor
     outcome on the last token, minus the KL penalty in reward mode)."""
     rl, batch = run.spec.rl, s.batch
     for key, (wait, field_name) in passes.items():
-        batch[key] = gather_rows(wait(), field_name)
-    mask = batch["response_mask"]
+        setattr(batch, key, gather_rows(wait(), field_name))
+    mask = batch.response_mask
     token_rewards = last_token_rewards(rewards, mask)
-    if "ref_logprobs" in batch and "old_logprobs" in batch:  # else the update reports the KL
-        kl = KL_ESTIMATORS[rl.kl_estimator](batch["old_logprobs"], batch["ref_logprobs"]) * mask
+    if batch.ref_logprobs is not None and batch.old_logprobs is not None:  # else the update reports the KL
+        kl = KL_ESTIMATORS[rl.kl_estimator](batch.old_logprobs, batch.ref_logprobs) * mask
         s.info["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
         if rl.kl_mode == "reward":
             token_rewards = token_rewards - rl.kl_coef * kl
@@ -588,15 +397,15 @@ def reuses_update_logprobs(spec: JobSpec) -> bool:
 def _advantages(run: Run, s: Step, rewards: torch.Tensor, token_rewards: torch.Tensor) -> None:
     spec, rl, batch = run.spec, run.spec.rl, s.batch
     name = advantage_of(spec.algorithm, rl.advantage)
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     adv, returns = ADVANTAGES[name](rewards_b=rewards, token_rewards_bt=token_rewards,
-                                    values_bt=batch.get("old_values"), mask_bt=mask,
+                                    values_bt=batch.old_values, mask_bt=mask,
                                     group_size=rl.samples_per_prompt, gamma=rl.gamma, lam=rl.lam)
     if rl.whiten_advantages == "on" or (rl.whiten_advantages == "auto" and ADVANTAGE_ESTIMATORS[name].whiten):
         adv = masked_whiten(adv, mask)
-    batch["advantages"], batch["returns"] = adv.float(), returns.float()
+    batch.advantages, batch.returns = adv.float(), returns.float()
     if rl.async_rollout:
-        batch["behaviour_logprobs"] = behaviour_logprobs(s.results, batch)
+        batch.behaviour_logprobs = behaviour_logprobs(s.results, batch)
     s.info["advantage/mean"] = (adv * mask).sum().item() / max(1.0, mask.sum().item())
 
 
@@ -657,48 +466,19 @@ def report(run: Run, s: Step) -> dict:
            "fault/trainer_restarts": run.restarts, "fault/seconds_lost": run.seconds_lost,
            **{f"time/{k}": s.seconds[k] for k in PHASES},
            "time/step": sum(s.seconds.values()), "rollout/tokens_per_s": s.generated / max(s.seconds["rollout"], 1e-9)}
-    last = done == spec.rl.num_steps
     copy = spec.fault.memory_copy_steps
-    if copy and done % copy == 0 and not _checkpoint_after(spec, s.step):  # before the row: it has it
-        run.copy = (done, {role: _merged(g.call("snapshot")) for role, g in _trained(run.roles).items()},
-                    _driver_state(run, done))
-    if eval_due(spec, done, spec.rl.num_steps):
+    if copy and done % copy == 0 and not run.cadence.checkpoint(done):  # before the row: it has it
+        run.copy = (done, {role: merged(g.call("snapshot")) for role, g in trained_groups(run.roles).items()},
+                    driver_state(run, done))
+    evaluated = run.cadence.evaluate(done)
+    if evaluated:
         row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals, run.rewards.verify))
-    if done % spec.log.every_steps == 0 or "eval/accuracy" in row or last or done == 1:
+    if run.cadence.log(done, evaluated):
         run.metrics.write(row)
-    if _checkpoint_after(spec, s.step):
-        _save(run, done)
+    if run.cadence.checkpoint(done):
+        save(run, done)
     run.progress.update(reward=row.get("reward/mean", 0.0),
                         **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
     return row
 
 
-def _checkpoint_after(spec: JobSpec, step: int) -> bool:
-    """Whether a checkpoint is written when step ``step`` (0-based) is done."""
-    every, done = spec.checkpoint.every_steps, step + 1
-    return bool(every) and (done % every == 0 or done == spec.rl.num_steps)
-
-
-def _trained(roles: Roles) -> dict:
-    return {"actor": roles.actor, **({"critic": roles.critic} if roles.critic else {})}
-
-
-def _driver_state(run: Run, step: int) -> dict:
-    """What the driver carries between steps, as a checkpoint records it (``_resume`` reads it)."""
-    m = run.moments
-    ahead = sum(len(idx) for _, idx, _ in run.pending)  # drawn for steps after this one (async)
-    return {"prompts_seen": run.drawn - ahead, "version": run.version,
-            "reward_moments": [m.mean, m.var, m.count]}
-
-
-def _merged(per_rank: list[dict]) -> dict:
-    return {name: data for files in per_rank for name, data in files.items()}
-
-
-def _save(run: Run, step: int) -> None:
-    t0 = time.time()
-    save_checkpoint(_trained(run.roles), run.asked, run.output, step, _driver_state(run, step))
-    run.copy = None  # the checkpoint is as new
-    folder = run.output / "checkpoints" / f"step_{step:07d}"
-    run.checkpoints.append((time.time() - t0, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())))
-    run.saved_at = time.time()

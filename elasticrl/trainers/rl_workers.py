@@ -17,11 +17,11 @@ from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
 from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
-from elasticrl.engine.rank import TrainRank
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.spec import load_spec
-from elasticrl.trainers.batch import rows, rows_reply, trimmed, widened
+from elasticrl.trainers.batch import Experience, rows_reply, widened
+from elasticrl.trainers.worker import RankWorker
 
 
 def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
@@ -33,8 +33,8 @@ def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
             yield perm[start:start + global_batch]
 
 
-def _denominators(batch: dict, index: torch.Tensor) -> dict:
-    mask = batch["response_mask"][index]
+def _denominators(batch: Experience, index: torch.Tensor) -> dict:
+    mask = batch.response_mask[index]
     return {"num_tokens": mask.sum(), "num_seqs": len(index), "norm_length": mask.shape[1]}
 
 
@@ -42,58 +42,21 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.float() / temperature
 
 
-class _TrainedRole:
-    """Shared set-up and plumbing of the actor and critic workers."""
+class _TrainedRole(RankWorker):
+    """What the actor and the critic workers share: their batch's rows in micro-batches."""
 
-    kind = "causal"
-
-    def __init__(self, spec: dict, model_path: str, train_overrides: dict | None = None, lr: float | None = None):
-        self.spec = load_spec(spec)
-        self.model_path = model_path
-        self.train = self.spec.train if not train_overrides else load_spec(
-            spec, [f"train.{k}={v}" for k, v in train_overrides.items()]).train
-        self.lr = lr
-
-    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
-        self.core = TrainRank(self.spec, self.train, self.model_path, rank, world_size, addr, port, total_steps,
-                              lr=self.lr, kind=self.kind, resume=resume)
-        self.rank = rank
-        return {"dtype": self.core.dtype}
-
-    def _micro(self, batch: dict, index: torch.Tensor):
+    def _micro(self, batch: Experience, index: torch.Tensor):
         """This rank's share of a mini-batch, in micro-batches, on the device."""
         for part in self.core.split(index):
-            yield {k: v.to(self.core.device) for k, v in trimmed(rows(batch, part)).items()}
+            yield batch.rows(part).trimmed().to(self.core.device)
 
-    def _forward_all(self, batch: dict, fn) -> tuple[slice, torch.Tensor | None]:
+    def _forward_all(self, batch: Experience, fn) -> tuple[slice, torch.Tensor | None]:
         """``fn(micro-batch)`` over this rank's rows of the whole batch, concatenated (at the
         batch's width: each micro-batch is trimmed to its own)."""
         self.core.engine.eval()
-        n, width = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
+        n, width = batch.num_rows, batch.input_ids.shape[1] - 1
         out = [widened(fn(mb).cpu(), width) for mb in self._micro(batch, torch.arange(n))]
         return self.core.my_rows(n), (torch.cat(out) if out else None)
-
-    def threads(self): return torch.get_num_threads()
-    def save(self, folder): self.core.save(folder)
-    def snapshot(self): return self.core.snapshot()
-    def export(self, folder): self.core.export(folder)
-    def attach_rollout(self, *args): return self.core.attach_rollout(*args)
-
-    def idle_states(self, on_host: bool) -> None:
-        """``placement.offload_idle`` on GPUs: gradients and optimizer state (moments and master
-        weights) to host memory after the update, back before the next; the 16-bit weights stay
-        for experience and the weight sync."""
-        if not (self.spec.placement.offload_idle and backend.has_gpu()):
-            return
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as T
-
-        if on_host:
-            self.core.engine.offload_states(include=[T.optim_states, T.hp_params, T.lp_grads,
-                                                     T.contiguous_grad_buffer], device=OffloadDeviceEnum.cpu)
-        else:
-            self.core.engine.reload_states()
-    def sync_weights(self, version): return self.core.sync_weights(version)
-    def detach_rollout(self): self.core.detach_rollout()
 
 
 class ActorWorker(_TrainedRole):
@@ -110,16 +73,16 @@ class ActorWorker(_TrainedRole):
         self.ptx_path = path
 
     @torch.no_grad()
-    def logprobs(self, batch: dict) -> dict:
+    def logprobs(self, batch: Experience) -> dict:
         """Log-probs of this rank's rows under the current policy (shifted layout)."""
         T = self.spec.rl.temperature
-        share, lp = self._forward_all(batch, lambda mb: token_logprobs(self._logits(mb), mb["labels"], T))
+        share, lp = self._forward_all(batch, lambda mb: token_logprobs(self._logits(mb), mb.labels, T))
         return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
 
-    def _logits(self, mb: dict) -> torch.Tensor:
-        return self.core.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+    def _logits(self, mb: Experience) -> torch.Tensor:
+        return self.core.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
 
-    def train(self, batch: dict, step: int) -> dict:
+    def train(self, batch: Experience, step: int) -> dict:
         """PPO epochs over the batch; returns mean stats over this rank's micro-batches."""
         s, rl = self.spec, self.spec.rl
         engine = self.core.engine
@@ -128,29 +91,29 @@ class ActorWorker(_TrainedRole):
         stats: dict[str, float] = {}
         count = minibatches = 0
         loss_sum = 0.0
-        num_rows = batch["input_ids"].shape[0]
+        num_rows = batch.num_rows
         for k, index in enumerate(_minibatches(num_rows, self.train.global_batch_size, rl.epochs, s.seed + step)):
             denom = _denominators(batch, index)
             for mb in self._micro(batch, index):
                 logits = self._logits(mb)
-                logp = token_logprobs(logits, mb["labels"], rl.temperature)
-                mask = mb["response_mask"]
+                logp = token_logprobs(logits, mb.labels, rl.temperature)
+                mask = mb.response_mask
                 # on-policy (rl.old_logprobs: auto): the policy before this update is this one
-                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+                old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
                 weights = None
-                if "behaviour_logprobs" in mb and rl.tis_cap is not None:
+                if mb.behaviour_logprobs is not None and rl.tis_cap is not None:
                     # Truncated importance sampling: the batch came from an older policy.
-                    weights = torch.exp(old - mb["behaviour_logprobs"]).clamp(max=rl.tis_cap)
-                loss, pstats = policy_loss(logp, old, mb["advantages"], mask, clip_low=rl.clip_low,
+                    weights = torch.exp(old - mb.behaviour_logprobs).clamp(max=rl.tis_cap)
+                loss, pstats = policy_loss(logp, old, mb.advantages, mask, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high, dual_clip=rl.dual_clip, token_weights_bt=weights,
                                            ratio_level=rl.importance_ratio, aggregation=rl.loss_aggregation, **denom)
                 total = loss
                 if rl.kl_coef > 0 and rl.kl_mode == "loss":
-                    kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, rl.loss_aggregation, **denom)
+                    kl = aggregate(kl_fn(logp, mb.ref_logprobs), mask, rl.loss_aggregation, **denom)
                     total = total + rl.kl_coef * kl
                     pstats["kl_loss"] = kl.item()
-                if "old_logprobs" not in mb and "ref_logprobs" in mb:  # the experience phase had none
-                    pstats["kl"] = aggregate(kl_fn(old, mb["ref_logprobs"]), mask, "token_mean").item()
+                if mb.old_logprobs is None and mb.ref_logprobs is not None:  # the experience phase had none
+                    pstats["kl"] = aggregate(kl_fn(old, mb.ref_logprobs), mask, "token_mean").item()
                 with torch.set_grad_enabled(rl.entropy_coef > 0):  # else only reported: no graph kept for it
                     entropy_bt = entropy_from_logits(_tempered(logits[:, :-1], rl.temperature))
                 if rl.entropy_coef > 0:
@@ -195,24 +158,24 @@ class CriticWorker(_TrainedRole):
     kind = "value"
 
     @torch.no_grad()
-    def values(self, batch: dict) -> dict:
+    def values(self, batch: Experience) -> dict:
         module = self.core.engine.module
         share, values = self._forward_all(
-            batch, lambda mb: token_values(module, mb["input_ids"], mb["attention_mask"])[:, :-1])
+            batch, lambda mb: token_values(module, mb.input_ids, mb.attention_mask)[:, :-1])
         return rows_reply(share, "values", values, self.core.is_dp_leader)
 
-    def train(self, batch: dict, step: int) -> dict:
+    def train(self, batch: Experience, step: int) -> dict:
         rl, critic = self.spec.rl, self.spec.critic
         engine = self.core.engine
         engine.train()
         total, minibatches = 0.0, 0
-        for index in _minibatches(batch["input_ids"].shape[0], self.train.global_batch_size, rl.epochs,
+        for index in _minibatches(batch.num_rows, self.train.global_batch_size, rl.epochs,
                                   self.spec.seed + step + 1):
             minibatches += 1
             denom = _denominators(batch, index)
             for mb in self._micro(batch, index):
-                values = token_values(engine.module, mb["input_ids"], mb["attention_mask"])[:, :-1]
-                loss = value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"],
+                values = token_values(engine.module, mb.input_ids, mb.attention_mask)[:, :-1]
+                loss = value_loss(values, mb.old_values, mb.returns, mb.response_mask,
                                   clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
                 total += self.core.backward(loss)
         return {"value_loss_sum": total, "minibatches": minibatches, "critic_lr": engine.get_lr()[0]}
@@ -266,9 +229,9 @@ class FrozenWorker:
             backend.empty_cache()
 
     @torch.no_grad()
-    def score(self, batch: dict) -> dict:
+    def score(self, batch: Experience) -> dict:
         """This rank's rows: log-probs (reference) or rewards at the last token (reward)."""
-        n = batch["input_ids"].shape[0]
+        n = batch.num_rows
         share = row_share(n, self.world_size, self.rank)
         per = -(-n // self.world_size)  # the largest share
         index = torch.arange(n)[share]
@@ -281,15 +244,15 @@ class FrozenWorker:
         steps = -(-per // mbs) if self.sharded else -(-len(index) // mbs)
         for m in range(steps):
             part = index[m * mbs:(m + 1) * mbs]
-            mb = {k: v.to(device) for k, v in trimmed(rows(batch, part if len(part) else torch.arange(1))).items()}
+            mb = batch.rows(part if len(part) else torch.arange(1)).trimmed().to(device)
             if self.kind == "reward":
-                values = token_values(self.model, mb["input_ids"], mb["attention_mask"])
-                last = mb["attention_mask"].sum(1) - 1
+                values = token_values(self.model, mb.input_ids, mb.attention_mask)
+                last = mb.attention_mask.sum(1) - 1
                 result = values[torch.arange(len(last)), last].cpu()
             else:
-                logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                result = widened(token_logprobs(logits, mb["labels"], s.rl.temperature).cpu(),
-                                 batch["input_ids"].shape[1] - 1)
+                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                result = widened(token_logprobs(logits, mb.labels, s.rl.temperature).cpu(),
+                                 batch.input_ids.shape[1] - 1)
             if len(part):
                 out.append(result)
         if self.offload_idle:

@@ -20,28 +20,26 @@ import torch
 from elasticrl.algorithms.preference import bradley_terry_loss
 from elasticrl.cluster import Placement, ray_session
 from elasticrl.data.records import pad_batch, read_records, tokenize_sft
-from elasticrl.engine.rank import TrainRank
 from elasticrl.models.load import token_values
 from elasticrl.plan.roles import cpus_needed
-from elasticrl.spec import JobSpec, load_spec, spec_to_dict
+from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.trainers.loop import check_user_files, data_paths, find_resume, num_steps, offline_loop, prepare_output
 from elasticrl.trainers.warm_start import initial_model
-from elasticrl.engine.checkpoint import read_trainer_state
-from elasticrl.trainers.loop import check_user_files, find_resume, num_steps, offline_loop, prepare_output
-from elasticrl.world import world_paths
+from elasticrl.trainers.worker import RankWorker
 
 
-class RMWorker:
+class RMWorker(RankWorker):
+    kind = "value"
+
     def __init__(self, spec: dict, paths: dict[str, str]):
-        self.spec = load_spec(spec)
+        super().__init__(spec, paths["model"])
         self.paths = paths
 
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
-        s = self.spec
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, kind="value",
-                              resume=resume)
-        self.pairs = read_records(self.paths["train"], pair_keys(s))
-        self.eval_pairs = read_records(self.paths["eval"], pair_keys(s))
-        return {"dtype": self.core.dtype}
+        out = super().setup(rank, world_size, addr, port, total_steps, resume)
+        self.pairs = read_records(self.paths["train"], pair_keys(self.spec))
+        self.eval_pairs = read_records(self.paths["eval"], pair_keys(self.spec))
+        return out
 
     def model(self):
         """The engine while training (gradients flow), its bare module in evaluation."""
@@ -88,8 +86,6 @@ class RMWorker:
             margin += float((chosen - rejected).detach().sum())
         return {"correct": correct, "margin_sum": margin, "total": len(mine), "leader": self.core.is_dp_leader}
 
-    def save(self, folder): self.core.save(folder)
-    def export(self, folder): self.core.export(folder)
 
 
 def pair_keys(spec: JobSpec) -> tuple[str, ...]:
@@ -102,31 +98,27 @@ def run_head_trainer(spec: JobSpec, output: Path, worker, datasets: tuple[str, s
     ``datasets`` names the world's train and eval files used when data.train/eval are null,
     ``read(path)`` reads and checks one (here first, so bad data fails before any worker starts);
     ``evaluate(group, spec)`` makes the eval figures, ``show`` the one on the progress bar."""
-    resume_dir = find_resume(spec, output)
+    resume = find_resume(spec, output)
     output = prepare_output(spec, output)
     t = spec.train
-    summary: dict = {}
-    check_user_files(spec, read)
+    check_user_files(spec, read, read)
     with ray_session(spec.ray, cpus_needed(spec)):
-        world = world_paths(spec.world) if spec.data.train is None or spec.data.eval is None else {}
-        paths = {"model": initial_model(spec), "train": spec.data.train or str(world[datasets[0]]),
-                 "eval": spec.data.eval or str(world[datasets[1]])}
+        paths = {"model": initial_model(spec), **data_paths(spec, *datasets)}
         total = num_steps(t.max_steps, t.num_epochs, len(read(paths["train"])), t.global_batch_size)
         read(paths["eval"])
         group = Placement(spec).group("actor", worker, spec_to_dict(spec), paths, name="reward_model")
         try:
-            group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
-            start = read_trainer_state(resume_dir)["step"] if resume_dir else None
-            summary.update(offline_loop(spec, group, output, total, step_row, lambda: evaluate(group, spec), show,
-                                        start))
+            group.setup(total, resume=resume.role("actor"))
+            return offline_loop(spec, group, output, total, step_row, lambda: evaluate(group, spec), show,
+                                resume.step)
         finally:
             group.shutdown()
-    return summary
 
 
 def run_rm(spec: JobSpec, output: Path) -> dict:
     return run_head_trainer(spec, output, RMWorker, ("preference", "preference_eval"),
-                            lambda path: read_records(path, pair_keys(spec), check=True), _step_row, _evaluate,
+                            lambda path: read_records(path, pair_keys(spec), check=True, data=spec.data), _step_row,
+                            _evaluate,
                             "pairwise_accuracy")
 
 
@@ -137,7 +129,7 @@ def _evaluate(group, spec) -> dict:
             "eval/margin": sum(r["margin_sum"] for r in res) / n}
 
 
-def _step_row(res: list[dict]) -> dict:
+def _step_row(res: list[dict], *_) -> dict:
     pairs = sum(r["pairs"] for r in res)
     return {"loss": sum(r["loss_sum"] for r in res), "accuracy": sum(r["correct"] for r in res) / pairs,
             "margin": sum(r["margin_sum"] for r in res) / pairs, "lr": res[0]["lr"]}

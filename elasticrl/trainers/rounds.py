@@ -29,11 +29,20 @@ from elasticrl.data.records import format_prompt, read_records, sample_indices, 
 from elasticrl.models import load_tokenizer
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
-from elasticrl.rollout.pool import RolloutPool, evaluate_answers, sampling_params
+from elasticrl.rollout.pool import RolloutPool, sampling_params
 from elasticrl.spec import JobSpec, spec_to_dict
-from elasticrl.engine.checkpoint import read_trainer_state
-from elasticrl.trainers.loop import (MetricsLog, Progress, check_user_files, find_resume, finish_run, prepare_output,
-                                    save_checkpoint)
+from elasticrl.trainers.evaluate import evaluate_answers
+from elasticrl.trainers.loop import (
+    Cadence,
+    MetricsLog,
+    Progress,
+    check_user_files,
+    data_paths,
+    find_resume,
+    finish_run,
+    prepare_output,
+    save_checkpoint,
+)
 from elasticrl.trainers.preference import PreferenceWorker
 from elasticrl.trainers.sft import SFTWorker
 from elasticrl.trainers.warm_start import initial_model
@@ -61,12 +70,13 @@ def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]],
 
 
 def run_rounds(spec: JobSpec, output: Path) -> dict:
-    resume_dir = find_resume(spec, output)
-    state = read_trainer_state(resume_dir) if resume_dir else {"round": 0, "version": 0}
+    resume = find_resume(spec, output)
+    state = resume.state or {"round": 0, "version": 0}
     output = prepare_output(spec, output)
     r = spec.rounds
     total = r.num_rounds * r.steps_per_round
-    check_user_files(spec, lambda path: read_records(path, (spec.data.prompt_key, spec.data.answer_key), check=True))
+    keys = (spec.data.prompt_key, spec.data.answer_key)
+    check_user_files(spec, keys, keys)
     with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
         world = world_paths(spec.world)
         model = initial_model(spec)
@@ -74,15 +84,14 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
         rs = spec.algorithm == "rejection_sampling"
         paths = {"model": model, "train": str(world["sft" if rs else "preference"]),
                  "eval": str(world["eval" if rs else "preference_eval"]), "eval_prompts": "", "train_kind": "pairs"}
-        keys = (spec.data.prompt_key, spec.data.answer_key)
-        prompts = read_records(spec.data.train or str(world["rl_prompts"]), keys)
-        evals = read_records(spec.data.eval or str(world["eval"]), keys)
+        data = data_paths(spec, "rl_prompts", "eval")
+        prompts, evals = (read_records(data[split], keys) for split in ("train", "eval"))
         worker = SFTWorker if spec.algorithm == "rejection_sampling" else PreferenceWorker
         placement = Placement(spec)
         group = placement.group("actor", worker, spec_to_dict(spec), paths, name="trainer")
         pool = None
         try:
-            group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)
+            group.setup(total, resume=resume.role("actor"))
             pool = RolloutPool(model, spec.rollout, spec.model.dtype, spec.seed, spec.model.trust_remote_code,
                                where=placement.options("rollout"))
             pool.attach(group, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(output / "weights"))
@@ -120,7 +129,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
         results = pool.generate([encode(p[d.prompt_key]) for p in batch], sampling_params(spec, rnd))
         texts = [[] for _ in batch]
         for res in results:
-            texts[res["prompt_index"]].append(res["text"])
+            texts[res.prompt_index].append(res.text)
         flat = [t for ts in texts for t in ts]
         owners = [batch[i] for i, ts in enumerate(texts) for _ in ts]
         scored = rewards([p[d.prompt_key] for p in owners], flat, [p.get(d.answer_key) for p in owners],
@@ -148,8 +157,8 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
         if spec.eval.enabled:
             row.update(evaluate_answers(spec, pool, eval_ids, evals, rewards.verify))
         metrics.write(row)
-        every, steps = spec.checkpoint.every_steps, r.steps_per_round
-        if every and ((rnd + 1) * steps // every > rnd * steps // every or rnd + 1 == r.num_rounds):
+        steps = r.steps_per_round
+        if Cadence(spec, r.num_rounds * steps).checkpoint((rnd + 1) * steps, since=rnd * steps):
             save_checkpoint({"actor": group}, spec, output, (rnd + 1) * steps, {
                 "prompts_seen": (rnd + 1) * r.prompts_per_round, "round": rnd + 1, "version": version})
         progress.update(records=len(records), acc=row["eval/accuracy"])

@@ -11,38 +11,33 @@ Run it:
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from elasticrl import backend
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.cluster import Placement, RoleGroup, ray_session
 from elasticrl.data.records import pad_batch, prompt_answer, read_records, sft_example, sft_fields
-from elasticrl.engine import checkpoint as ckpt
-from elasticrl.engine.rank import TrainRank
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.plan.roles import cpus_needed
-from elasticrl.spec import JobSpec, load_spec, spec_to_dict
-from elasticrl.trainers.loop import (MetricsLog, Progress, eval_due, find_resume, finish_run, num_steps,
-                                     prepare_output, save_checkpoint)
+from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.trainers.loop import check_user_files, data_paths, find_resume, num_steps, offline_loop, prepare_output
+from elasticrl.trainers.worker import RankWorker
 from elasticrl.world import world_paths
 
 
-class SFTWorker:
+class SFTWorker(RankWorker):
     """One rank: holds the DeepSpeed engine and reads its share of each global batch."""
 
     def __init__(self, spec: dict, paths: dict[str, str]):
-        self.spec = load_spec(spec)
+        super().__init__(spec, paths["model"])
         self.paths = paths
 
-    def setup(self, rank: int, world_size: int, addr: str, port: int, total_steps: int,
-              resume: str | None = None) -> dict:
-        s = self.spec
-        self.core = TrainRank(s, s.train, self.paths["model"], rank, world_size, addr, port, total_steps, resume=resume)
-        self.engine, self.tokenizer, self.rank = self.core.engine, self.core.tokenizer, rank
-        self.records = read_records(self.paths["train"], sft_fields(s.data))
-        self.eval_records = read_records(self.paths["eval"], prompt_answer(s.data))
-        return {"dtype": self.core.dtype}
+    def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
+        out = super().setup(rank, world_size, addr, port, total_steps, resume)
+        self.engine, self.tokenizer = self.core.engine, self.core.tokenizer
+        self.records = read_records(self.paths["train"], sft_fields(self.spec.data))
+        self.eval_records = read_records(self.paths["eval"], prompt_answer(self.spec.data))
+        return out
 
     def train_step(self, step: int) -> dict:
         s, core = self.spec, self.core
@@ -71,15 +66,6 @@ class SFTWorker:
         """Train on these examples from now on (rejection sampling: each round's)."""
         self.records = read_records(path, sft_fields(self.spec.data))
 
-    def attach_rollout(self, *args) -> str:
-        return self.core.attach_rollout(*args)
-
-    def sync_weights(self, version: int) -> dict:
-        return self.core.sync_weights(version)
-
-    def detach_rollout(self) -> None:
-        self.core.detach_rollout()
-
     def evaluate(self, num_prompts: int) -> dict:
         s = self.spec
         records = self.eval_records[:num_prompts] if num_prompts else self.eval_records
@@ -90,71 +76,41 @@ class SFTWorker:
             synced=synced, device=backend.current_device())
         return {"correct": correct, "total": total, "leader": self.core.is_dp_leader}
 
-    def save(self, folder: str) -> None:
-        self.core.save(folder)
-
-    def export(self, folder: str) -> None:
-        self.core.export(folder)
-
 
 def resolve_paths(spec: JobSpec) -> dict[str, str]:
     """Model and data locations: the spec's, or the embedded tiny world's."""
-    needs_world = spec.model.path is None or spec.data.train is None or spec.data.eval is None
-    world = world_paths(spec.world) if needs_world else {}
-    return {"model": spec.model.path or str(world["model"]),
-            "train": spec.data.train or str(world["sft"]),
-            "eval": spec.data.eval or str(world["eval"])}
+    model = spec.model.path or str(world_paths(spec.world)["model"])
+    return {"model": model, **data_paths(spec, "sft", "eval")}
 
 
 def run_sft(spec: JobSpec, output: Path) -> dict:
-    resume_dir = find_resume(spec, output)
+    resume = find_resume(spec, output)
     output = prepare_output(spec, output)
+    check_user_files(spec, sft_fields(spec.data), prompt_answer(spec.data))
     paths = resolve_paths(spec)
-    num_records = len(read_records(paths["train"], sft_fields(spec.data), check=True))
-    read_records(paths["eval"], prompt_answer(spec.data), check=True)  # fail before Ray starts
     t = spec.train
-    total = num_steps(t.max_steps, t.num_epochs, num_records, t.global_batch_size)
-    start = ckpt.read_trainer_state(resume_dir)["step"] if resume_dir else 0
-    summary: dict = {"steps": total, "resumed_from": start if resume_dir else None}
+    total = num_steps(t.max_steps, t.num_epochs, len(read_records(paths["train"], sft_fields(spec.data))),
+                      t.global_batch_size)
+    summary: dict = {"steps": total, "resumed_from": resume.step if resume.folder else None}
     with ray_session(spec.ray, cpus_needed(spec)):
         group = Placement(spec).group("actor", SFTWorker, spec_to_dict(spec), paths, name="trainer")
         try:
-            summary["dtype"] = group.setup(total, resume=str(resume_dir / "actor") if resume_dir else None)[0]["dtype"]
-            summary.update(_train(spec, group, output, start, total))
+            summary["dtype"] = group.setup(total, resume=resume.role("actor"))[0]["dtype"]
+            summary.update(offline_loop(spec, group, output, total, lambda res, done, seconds: _step_row(
+                spec, res, done, seconds), lambda: _evaluate(group, spec), "accuracy", resume.step))
         finally:
             group.shutdown()
     return summary
 
 
-def _evaluate(group: RoleGroup, spec: JobSpec) -> float:
+def _evaluate(group: RoleGroup, spec: JobSpec) -> dict:
     results = [r for r in group.call("evaluate", spec.eval.num_prompts) if r["leader"]]
-    return sum(r["correct"] for r in results) / max(1, sum(r["total"] for r in results))
+    return {"eval/accuracy": sum(r["correct"] for r in results) / max(1, sum(r["total"] for r in results))}
 
 
-def _train(spec: JobSpec, group: RoleGroup, output: Path, start: int, total: int) -> dict:
-    metrics = MetricsLog(output, spec, resume_step=start if start else None)
-    progress = Progress(total, start, spec.log.progress_bar, desc="sft")
-    summary: dict = {}
-    if start == 0 and spec.eval.every_steps and spec.eval.enabled:
-        acc = _evaluate(group, spec)
-        metrics.write({"step": 0, "eval/accuracy": acc})
-        summary["initial_eval_accuracy"] = acc
-    row: dict = {}
-    for step in range(start, total):
-        t0 = time.time()
-        results = group.call("train_step", step)
-        seconds = time.time() - t0
-        leaders = [r for r in results if r["leader"]]
-        done = step + 1
-        row = {"step": done, "loss": sum(r["nll_sum"] for r in leaders) / max(1, results[0]["global_tokens"]),
-               "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
-               "tokens_per_s": sum(r["seq_tokens"] for r in leaders) / seconds,
-               "samples": done * spec.train.global_batch_size, "step_seconds": seconds}
-        if eval_due(spec, done, total):
-            row["eval/accuracy"] = _evaluate(group, spec)
-        if done % spec.log.every_steps == 0 or "eval/accuracy" in row or done == total or done == 1:
-            metrics.write(row)
-        if spec.checkpoint.every_steps and (done % spec.checkpoint.every_steps == 0 or done == total):
-            save_checkpoint({"actor": group}, spec, output, done)
-        progress.update(loss=row["loss"], **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
-    return finish_run(group, spec, output, summary, row, progress, metrics)
+def _step_row(spec: JobSpec, leaders: list[dict], done: int, seconds: float) -> dict:
+    """Next-token loss over the global batch's trained tokens (every rank knows their count)."""
+    return {"loss": sum(r["nll_sum"] for r in leaders) / max(1, leaders[0]["global_tokens"]),
+            "lr": leaders[0]["lr"], "grad_norm": leaders[0]["grad_norm"],
+            "tokens_per_s": sum(r["seq_tokens"] for r in leaders) / seconds,
+            "samples": done * spec.train.global_batch_size}

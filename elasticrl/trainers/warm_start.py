@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 
+from elasticrl.backend import resolve_dtype
 from elasticrl.files import atomic_folder
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.world import world_paths
@@ -20,7 +21,10 @@ def _cached(spec: JobSpec, kind: str) -> str:
     from elasticrl.trainers import run_job
 
     # The world's key too: both train on the world's data, so a new world format must retrain.
-    blob = {"spec": spec_to_dict(spec), "world": world_key(spec.world)}
+    # How it reports (log) is not part of what it trains; the dtype is the one it resolves to.
+    fields = {k: v for k, v in spec_to_dict(spec).items() if k != "log"}
+    fields["model"]["dtype"] = resolve_dtype(spec.model.dtype)
+    blob = {"spec": fields, "world": world_key(spec.world)}
     key = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
     final = cache_root() / f"{kind}-{key}"
     if not (final / "final" / "config.json").is_file():
@@ -31,13 +35,15 @@ def _cached(spec: JobSpec, kind: str) -> str:
 
 
 def _small_job(spec: JobSpec, algorithm: str, steps: int, lr: float, model_path: str | None) -> JobSpec:
-    dp = spec.train.num_ranks
-    mbs = max(1, 64 // dp)
+    """The same job whatever the asking job's layout (one cache entry serves every job of a
+    seed, precision and step count): 2 ranks of 32 rows, evaluated by the job that uses it."""
+    dp, mbs = 2, 32
     return load_spec({"algorithm": algorithm, "seed": spec.seed, "world": dataclasses.asdict(spec.world),
                       "model": {"dtype": spec.model.dtype, "path": model_path},
-                      "train": {"num_ranks": dp, "zero_stage": 2, "micro_batch_size": mbs, "global_batch_size": mbs * dp,
+                      "train": {"num_ranks": dp, "zero_stage": 2, "micro_batch_size": mbs,
+                                "global_batch_size": mbs * dp,
                                 "max_steps": steps, "lr": lr, "warmup_ratio": 0.05, "min_lr_ratio": 0.05},
-                      "eval": {"every_steps": 0, "num_prompts": 256}, "checkpoint": {"resume": None},
+                      "eval": {"enabled": False}, "checkpoint": {"resume": None},
                       "log": {"progress_bar": spec.log.progress_bar, "every_steps": 10}})
 
 

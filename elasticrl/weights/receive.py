@@ -8,7 +8,6 @@ from elasticrl.weights import shm
 from elasticrl.weights.group import broadcast
 
 
-
 def from_shm(cache: dict, path: str, nbytes: int, metas: list) -> list[tuple[str, torch.Tensor]]:
     """Views into a staging buffer (mapped once per path, kept in ``cache``)."""
     buf = cache.get(path)

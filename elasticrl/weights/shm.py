@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-SHM_ROOT = Path(os.environ.get("ELASTICRL_SHM_DIR", "/dev/shm"))
+from elasticrl.files import SHM_ROOT, remove_stale
+
 ALIGN = 64  # bytes; keeps every view aligned for vector loads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in messages
 
@@ -38,27 +39,6 @@ def aligned(n: int) -> int:
 def view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
     return buf[offset: offset + nbytes].view(dtype).view(shape)
-
-
-def remove_stale() -> None:
-    """Unlink buffers whose creating process is gone (a crash cannot free /dev/shm)."""
-    for path in SHM_ROOT.glob("elasticrl-*-*-*"):
-        try:
-            pid = int(path.name.split("-")[-2])
-        except ValueError:
-            continue
-        if not _alive(pid):
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def share(nbytes: int, device) -> tuple[tuple, torch.Tensor]:

@@ -42,7 +42,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from elasticrl import backend
+from elasticrl import backend, parallel
 from elasticrl.weights import shm, slices
 from elasticrl.weights.group import broadcast, new_group
 from elasticrl.weights.plan import Arena, replay
@@ -121,9 +121,7 @@ def iter_local_params(ds_engine) -> Iterator[tuple[str, torch.Tensor]]:
 def trainer_layouts(ds_engine) -> dict[str, slices.Layout]:
     """Each parameter's full shape and AutoTP cut, in the order the iterators above yield them;
     None when AutoTP fused several projections into one parameter (no plain cut)."""
-    from elasticrl.engine.state import autotp_cuts
-
-    cuts = autotp_cuts(ds_engine)
+    cuts = parallel.autotp_cuts(ds_engine)
     layouts = {}
     for mod_name, module, params in _modules(ds_engine):
         for name, p in params:
@@ -200,10 +198,8 @@ class WeightSender:
 
     def _plan_senders(self) -> None:
         """Engines to data-parallel replicas, then each worker's pieces from each sender."""
-        from elasticrl.engine.strategy import data_parallel_info, tensor_parallel_rank
-
-        dp_rank, dp_size = data_parallel_info(self.tp)
-        coords = _ints([dp_rank, tensor_parallel_rank(self.tp)])
+        dp_rank, dp_size = parallel.data_parallel_info(self.tp)
+        coords = _ints([dp_rank, parallel.tensor_parallel_rank(self.tp)])
         everyone = [torch.zeros_like(coords) for _ in range(self.world)]
         dist.all_gather(everyone, coords)
         self.rank_of = {(int(c[0]), int(c[1])): r for r, c in enumerate(everyone)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from elasticrl.world.presets import PRESETS, VOCAB_SIZE
+from elasticrl.spec.presets import PRESETS, VOCAB_SIZE
 
 
 def tiny_config(preset: str, tokenizer) -> LlamaConfig:

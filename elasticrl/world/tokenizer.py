@@ -11,7 +11,7 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from elasticrl.world.presets import VOCAB_SIZE
+from elasticrl.spec.presets import VOCAB_SIZE
 
 PAD, BOS, EOS, UNK, USER, ASSISTANT = "<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"
 SPECIALS = [PAD, BOS, EOS, UNK, USER, ASSISTANT]

@@ -5,8 +5,15 @@ import json
 
 import pytest
 
-from elasticrl.data.records import (format_prompt, pad_batch, read_records, row_share, sample_indices, sft_example,
-                                    tokenize_sft)
+from elasticrl.data.records import (
+    format_prompt,
+    pad_batch,
+    read_records,
+    row_share,
+    sample_indices,
+    sft_example,
+    tokenize_sft,
+)
 from elasticrl.world.tokenizer import build_tokenizer
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_sft_export_loads_in_transformers_and_vllm(ray_cluster, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = load_spec({}, ["model.dtype=fp32", "log.progress_bar=false", "eval.every_steps=0",
+    spec = load_spec({}, ["model.dtype=fp32", "log.progress_bar=false", "eval.enabled=false",
                           "eval.num_prompts=16", "train.max_steps=3", "checkpoint.resume=null"])
     run_sft(spec, tmp_path)
     final = tmp_path / "final"

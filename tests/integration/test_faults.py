@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 # 2 engines; completions of exactly 64 tokens make a rollout last about a second, so a kill
 # lands in it, and a reward that varies on them (the share of digits) keeps the updates real
-ELASTIC = BASE + ["rollout.num_engines=2", "rl.num_steps=16", "eval.every_steps=0", "rl.ignore_eos=true",
+ELASTIC = BASE + ["rollout.num_engines=2", "rl.num_steps=16", "eval.enabled=false", "rl.ignore_eos=true",
                   "rl.max_new_tokens=64", "rl.prompts_per_step=16", "rollout.max_model_len=96",
                   "rewards.functions=[{path: 'tests.integration.faults:digit_share'}]"]
 
@@ -88,7 +88,7 @@ def test_a_hung_engine_is_found_by_its_deadline_and_its_prompts_served_elsewhere
         found = time.time() - t0
         assert pool.live == [0] and pool.deaths == 1 and 1 in pool.starting
         assert "rollout engine 1 stopped answering" in pool.events[0] and "replacement is starting" in pool.events[0]
-        assert [(r["prompt_index"], r["token_ids"]) for r in after] == [(r["prompt_index"], r["token_ids"])
+        assert [(r.prompt_index, r.token_ids) for r in after] == [(r.prompt_index, r.token_ids)
                                                                          for r in before]
         print(f"the hang was found and its prompts served elsewhere in {found:.1f} s")
     finally:

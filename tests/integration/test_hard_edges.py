@@ -1,8 +1,8 @@
 """The driver stopped from outside, on the real stack: SIGTERM and SIGINT end the run in one
 line (exit codes 143, 130) and leave no Ray process, temp folder or /dev/shm buffer behind;
-after a SIGKILL, which nothing can catch, the next run sweeps what that run left (its own
-folder, marked with the dead driver's PID, and the Ray processes naming it) and nothing
-else. While it runs, the run listens on 127.0.0.1 only."""
+after a SIGKILL, which nothing can catch, the run's reaper sweeps what it left within seconds
+(its own folder, marked with the dead driver's PID, the Ray processes naming it and the
+engines' buffers) and nothing else. While it runs, the run listens on 127.0.0.1 only."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from elasticrl.cluster.session import sweep_leftovers
 from elasticrl.files import OWNER_MARK, _processes_naming, sweep_orphans
 from tests.conftest import EXAMPLES, ROOT
 from tests.integration.faults import logged_step
@@ -22,7 +21,7 @@ from tests.integration.test_launch import _descendants
 
 pytestmark = pytest.mark.slow
 
-LONG = ["model.dtype=fp32", "log.progress_bar=false", "init.sft_steps=60", "rl.num_steps=200", "eval.every_steps=0",
+LONG = ["model.dtype=fp32", "log.progress_bar=false", "init.sft_steps=60", "rl.num_steps=200", "eval.enabled=false",
         "rl.eval_samples=2", "eval.num_prompts=32"]
 
 
@@ -101,28 +100,36 @@ def test_a_run_listens_on_localhost_only_and_sigterm_ends_it_leaving_nothing(tmp
     _, err = proc.communicate(timeout=120)
     took = time.time() - t0
     assert proc.returncode == 143, err[-3000:]
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)"), err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("error: terminated (SIGTERM)"), err[-3000:]
     assert _gone(folder, 10), (folder, _processes_naming(str(folder)))
     assert shm and not [p for p in shm if p.exists()]  # the engines' weight buffers in /dev/shm too
     print(f"{len(sockets)} listening sockets, all on 127.0.0.1; SIGTERM: exit 143 in {took:.1f} s, Ray's folder, "
           f"processes and {len(shm)} /dev/shm buffer(s) gone")
 
 
-def test_what_a_sigkilled_run_left_is_swept_by_the_next_and_only_that(tmp_path):
-    proc, folder = _running(tmp_path, -1)
-    time.sleep(3)  # Ray's workers starting
+def test_what_a_sigkilled_run_left_goes_at_once_and_only_that(tmp_path):
+    """SIGKILL, which the run cannot catch, once its engines hold weight buffers in /dev/shm:
+    its reaper (a process of its own, waiting on a pipe from the run) sees the pipe close and
+    removes Ray's processes and folder and the engines' buffers within seconds, without a
+    next run; unmarked folders are never swept."""
+    proc, folder = _running(tmp_path, 1)
+    run = {proc.pid, *(p for p, _ in _descendants(proc.pid))}
+    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if int(p.name.split("-")[-2]) in run]
+    left = _processes_naming(str(folder))  # Ray's own: GCS, raylet, dashboard and runtime-env agents, ...
     other = tmp_path / "erl-ray-not-mine"  # unmarked: never swept
     other.mkdir()
+    t0 = time.time()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    time.sleep(2)
-    left = _processes_naming(str(folder))
-    assert folder.exists()  # a SIGKILLed process cleans nothing
-    sweep_leftovers()  # what the next run does first
-    assert _gone(folder, 10), _processes_naming(str(folder))
-    assert not [p for p in Path("/dev/shm").glob(f"elasticrl-*-{proc.pid}-*")]
+    assert _gone(folder, 15), _processes_naming(str(folder))
+    deadline = time.time() + 10
+    while [p for p in shm if p.exists()] and time.time() < deadline:
+        time.sleep(0.5)
+    took = time.time() - t0
+    assert shm and not [p for p in shm if p.exists()], shm
     assert sweep_orphans("erl-ray-*", root=tmp_path) == [] and other.is_dir()
-    print(f"SIGKILL left {len(left)} Ray process(es) and {folder}; the next run's sweep removed them")
+    print(f"SIGKILL: its {len(left)} Ray process(es), {folder} and {len(shm)} /dev/shm buffer(s) gone in {took:.1f} s")
 
 
 def test_ctrl_c_while_ray_starts_ends_the_run_in_one_line_and_leaves_nothing(tmp_path):

@@ -58,7 +58,8 @@ def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, v
     exact = backend.resolve_dtype(spec.model.dtype) == "fp32"
     assert first["eval/margin"] == pytest.approx(0.0, abs=1e-5 if exact else 1e-3)
     # the pairs' implicit rewards now favour the right answer
-    assert last["eval/margin"] > 0.05 and last["eval/pairwise_accuracy"] > (0.5 if spec.algorithm == "kto" else 0.55), last
+    bar = 0.5 if spec.algorithm == "kto" else 0.55
+    assert last["eval/margin"] > 0.05 and last["eval/pairwise_accuracy"] > bar, last
     # the policy's own preference for the right answer grew
     assert last["eval/logp_margin"] > first["eval/logp_margin"] + 0.5, (first, last)
     assert summary["final"]["step"] == steps and (tmp_path / "run" / "final" / "model.safetensors").is_file()
@@ -68,9 +69,10 @@ def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, v
         assert last["reward/margin"] > 0
 
 
-# Operands up to 12: all 65 held-out problems are evaluated in seconds (the sampling test).
+# Single-digit operands, the world of the learning tests here: one warm start serves them all,
+# and all 38 held-out problems are evaluated in seconds (the sampling test).
 ROUNDS = ["model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null", "init.sft_steps=60",
-          "world.max_operand=12", "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=16",
+          "world.max_operand=9", "train.num_ranks=2", "train.micro_batch_size=8", "train.global_batch_size=16",
           "rounds.num_rounds=3", "rounds.prompts_per_round=64", "rounds.steps_per_round=4", "rl.samples_per_prompt=4",
           "rl.eval_samples=2", "eval.num_prompts=0", "eval.max_new_tokens=6"]
 
@@ -80,7 +82,7 @@ ROUNDS = ["model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null"
 # lowered its accuracy on them). Over 3 rounds, under 3 seeds, greedy accuracy on the prompts the
 # rounds sampled rose by 7.7-13.4 points for both algorithms; held-out accuracy (38 problems) by
 # 0-18 points, too unevenly to assert (README, Development).
-ROUNDS_LEARNING = ["world.max_operand=9", "rl.samples_per_prompt=8", "rounds.steps_per_round=16"]
+ROUNDS_LEARNING = ["rl.samples_per_prompt=8", "rounds.steps_per_round=16"]
 
 
 def _greedy_accuracy(model_dir, records) -> float:
@@ -187,5 +189,6 @@ def test_process_reward_model_learns_to_find_the_wrong_step(ray_cluster, tmp_pat
     # 3 steps in 8 are on track: a head that always says 'wrong' scores 62.5 %; picking one
     # of a prompt's 4 solutions at random finds the right one 25 % of the time
     assert last["eval/step_accuracy"] > 0.7, (first, last)
-    assert last["eval/best_of_n_accuracy"] > 0.4 and last["eval/first_error_accuracy"] > first["eval/first_error_accuracy"]
+    assert last["eval/best_of_n_accuracy"] > 0.4
+    assert last["eval/first_error_accuracy"] > first["eval/first_error_accuracy"]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -58,13 +58,16 @@ def test_sft_then_grpo_on_a_users_qwen2_folder_conversations_and_word_problems(r
                      "eval": {**common["eval"], "every_steps": 0}})
     summary = run_sft(sft, tmp_path / "sft")
     rows = _rows(tmp_path / "sft")
-    assert rows[0]["step"] == 1 and rows[-1]["loss"] < rows[0]["loss"] / 4, rows  # it learned the solutions' form
+    trained = [r for r in rows if "loss" in r]  # and the evaluation of the start (step 0), before them
+    assert rows[0]["step"] == 0 and trained[0]["step"] == 1
+    assert trained[-1]["loss"] < trained[0]["loss"] / 4, rows  # it learned the solutions' form
     exported = json.loads((tmp_path / "sft" / "final" / "config.json").read_text())
     assert exported["model_type"] == "qwen2" and summary["export"]
     # TensorBoard holds what metrics.jsonl holds, and the spec and environment as text
     scalars = _scalars(tmp_path / "sft" / "tensorboard")
     assert scalars["loss"] == pytest.approx({r["step"]: r["loss"] for r in rows if "loss" in r}, rel=1e-6)
-    assert scalars["eval/accuracy"] == {40: pytest.approx(rows[-1]["eval/accuracy"])}
+    assert scalars["eval/accuracy"] == {0: pytest.approx(rows[0]["eval/accuracy"]),
+                                        40: pytest.approx(rows[-1]["eval/accuracy"])}
 
     # GRPO from the SFT model on parquet prompts, the math verifier judging; a second reward
     # function of weight 0 records what the verifier was shown

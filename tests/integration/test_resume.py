@@ -6,6 +6,7 @@ Real Ray, vLLM and DeepSpeed on the tiny world; fp32, so the arithmetic repeats 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -98,24 +99,72 @@ def _loaded_actor(spec, folder) -> list[str]:
     return _digests({**weights, **moments})
 
 
-def test_async_grpo_resumes_exactly_with_nothing_in_flight_at_the_checkpoint(ray_cluster, tmp_path):
-    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", GRPO + ["rl.async_rollout=true", "rl.max_staleness=2",
-                                                          "checkpoint.resume=auto"])
-    straight = tmp_path / "straight"
-    run_job(spec, straight)
+def test_async_grpo_with_a_remote_reward_stays_within_its_bound_and_resumes_exactly(ray_cluster, tmp_path):
+    """Async GRPO (rl.max_staleness 2) whose reward is an HTTP endpoint (a real local server
+    that refuses the first request with 503, so the client must retry), beside a function of
+    weight 0 that raises on 1 call in 10: counted in reward/errors, scored 0, and the run goes
+    on. Rollouts run ahead, but not past a checkpoint (after steps 4 and 6), so a run resumed
+    from step 4 rolls out as this one did and repeats its metrics."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from tests.integration.test_rl import _Scorer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Scorer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        spec = load_spec(EXAMPLES / "tiny_grpo.yaml", GRPO + [
+            "rl.async_rollout=true", "rl.max_staleness=2", "checkpoint.every_steps=4", "checkpoint.resume=auto",
+            "rewards.functions=[{path: 'tests.rewards.misbehaving:flaky', weight: 0.0}]",
+            f"rewards.remote=[{{url: '{url}', retries: 2, timeout_s: 30}}]"])
+        straight = tmp_path / "straight"
+        summary = run_job(spec, straight)
+        assert _Scorer.calls == [32] * 7  # one refused, then one per step
+        resumed = stopped_at(straight, 4, tmp_path / "resumed")
+        run_job(spec, resumed)
+    finally:
+        server.shutdown()
     rows = _rows(straight)
-    # rollouts run ahead, but not past a checkpoint (after steps 2 and 4): staleness restarts there
-    assert [rows[s]["rl/staleness"] for s in range(1, 7)] == [0, 1, 0, 1, 0, 1]
-    resumed = stopped_at(straight, 4, tmp_path / "resumed")
-    run_job(spec, resumed)
+    # generation ran ahead of training (two versions old at steps 3-4), and restarted at the checkpoint
+    assert [rows[s]["rl/staleness"] for s in range(1, 7)] == [0, 1, 2, 2, 0, 1]
+    assert summary["final"]["sync/version"] == 6
+    # flaky raises on calls 10, 20, ... of each of the 2 reward processes (rewards.workers), which score 16 of a
+    # step's 32 samples each: per step, calls 1-16 (one error each), 17-32 (two), 33-48, 49-64, 65-80, 81-96
+    assert [rows[s]["reward/errors/flaky"] for s in range(1, 7)] == [2, 4, 2, 4, 4, 2]
+    for s in range(1, 7):  # the endpoint scores exact answers: its mean is the batch accuracy
+        assert rows[s]["reward/errors"] == rows[s]["reward/errors/flaky"]
+        assert rows[s]["reward/mean"] == pytest.approx(rows[s]["accuracy"], abs=1e-6)
     _same_after(straight, resumed, 4)
 
 
-def test_ppo_resumes_exactly_with_its_critic(ray_cluster, tmp_path):
+def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_critic(ray_cluster, tmp_path):
+    """PPO's four model roles (actor and reference sharing a placement group, critic and reward
+    model another; the separate layout, a group per role, is what every other RL test uses, and
+    the full tiny_ppo.yaml ran both ways with identical metrics: README), 3 steps checkpointed
+    at 2; resumed from step 2, the critic included, it repeats the uninterrupted run."""
     spec = load_spec(EXAMPLES / "tiny_ppo.yaml", RL_BASE + PPO + [
-        "rl.num_steps=3", "checkpoint.every_steps=2", "checkpoint.resume=auto"])
+        "rl.num_steps=3", "checkpoint.every_steps=2", "checkpoint.resume=auto",
+        "placement.colocate=actor_ref+critic_reward", "train.threads=2"])
     straight = tmp_path / "straight"
-    run_job(spec, straight)
+    summary = run_job(spec, straight)
+    # train.threads reaches every trained and frozen rank (Ray alone would give each 1)
+    assert summary["threads"] == {"actor": 2, "reference": 2, "critic": 2, "reward0": 2}, summary["threads"]
+    where = summary["placement"]
+    assert {"actor", "reference", "critic", "reward0", "rollout"} <= set(where)
+    assert where["actor"] == where["reference"] and where["critic"] == where["reward0"]
+    assert len({where["actor"], where["critic"], where["rollout"]}) == 3
+    steps = {s: r for s, r in _rows(straight).items() if s > 0}
+    assert sorted(steps) == [1, 2, 3]
+    assert "policy_loss" not in steps[1]  # the actor is frozen while the critic warms up
+    # frozen through step 1, the actor is the reference at steps 1 and 2: the k1 KL is 0 there
+    assert abs(steps[1]["kl"]) < 1e-6 and abs(steps[2]["kl"]) < 1e-6 and abs(steps[3]["kl"]) > 1e-6, steps
+    for n in (2, 3):  # 2 mini-batches a step: the second sees updated weights, so the ratio moved
+        assert math.isfinite(steps[n]["policy_loss"]) and 0.0 <= steps[n]["clip_frac"] <= 1.0
+        assert steps[n]["approx_kl"] > 0, steps[n]
+    for row in steps.values():
+        assert row["value_loss"] > 0 and row["sync/version"] == row["step"]
+    assert summary["reward_model"].endswith("final")
     assert (straight / "checkpoints" / "step_0000002" / "critic" / "model.safetensors").is_file()
     resumed = stopped_at(straight, 2, tmp_path / "resumed")
     run_job(spec, resumed)
@@ -147,35 +196,40 @@ def test_iterative_dpo_resumes_exactly_after_a_round(ray_cluster, tmp_path):
     assert (resumed / "rounds" / "3.jsonl").read_text() == (straight / "rounds" / "3.jsonl").read_text()
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
-def test_a_trainer_rank_lost_mid_step_is_recovered_in_the_job(grpo, tmp_path, capsys, sig):
-    """Elasticity L3: an actor rank is SIGKILLed (or stopped: the watchdog finds the hang) in
-    step 4: the actor is re-formed on 2 ranks while the engine stays up, from the step-2
-    checkpoint (killed: steps 3-4 redone) or from the driver's in-memory copy of step 3
-    (hung, with fault.memory_copy_steps=1: only step 4 redone), with the same data and seeds,
-    and every metric equals the uninterrupted run's (exact: the restore is at a step
-    boundary, on the same layout)."""
+def test_a_trainer_rank_killed_and_later_one_hung_are_recovered_in_the_job(grpo, tmp_path, capsys):
+    """Elasticity L3, twice in one run (fault.memory_copy_steps 1, a checkpoint every 2 steps):
+    an actor rank is SIGKILLed in step 2, before any checkpoint: the actor is re-formed on 2
+    ranks from the driver's in-memory copy of step 1, which becomes a checkpoint, while the
+    engine stays up; later a rank is SIGSTOPped in step 5: the watchdog finds the hang and the
+    actor is re-formed from the step-4 checkpoint. The steps after each source are redone with
+    the same data and seeds, so every metric equals the uninterrupted run's (exact: the
+    restores are at step boundaries, on the same layout)."""
     import signal
 
     from tests.integration.faults import Fault
 
     out = tmp_path / "run"
-    copy = ["fault.memory_copy_steps=1"] if sig == "SIGSTOP" else []
-    fault = Fault(out, "ActorWorker", after=3, sig=getattr(signal, sig), delay=0.3)
-    fault.start()
-    summary = run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", GRPO + copy), out)
-    fault.check()
-    [recovery] = summary["recoveries"]
-    source, start = ("the in-memory copy", 3) if copy else ("the newest checkpoint", 2)
-    assert (recovery["step"], recovery["from_step"], recovery["from"], recovery["ranks"]) == (4, start, source, 2)
-    assert ("died (ActorDiedError)" if sig == "SIGKILL" else "stopped answering") in recovery["what"]
-    assert recovery["recovered_at"] - fault.at < 60  # detected and recovered within a minute
+    killed = Fault(out, "ActorWorker", after=1, sig=signal.SIGKILL, delay=0.3)
+    hung = Fault(out, "ActorWorker", after=4, sig=signal.SIGSTOP, delay=0.3)
+    killed.start()
+    hung.start()
+    summary = run_job(load_spec(EXAMPLES / "tiny_grpo.yaml", GRPO + ["fault.memory_copy_steps=1",
+                                                                     "checkpoint.keep=4"]), out)
+    killed.check()
+    hung.check()
     said = capsys.readouterr().err
-    assert f"{recovery['what']} at step 4; recovered in" in said and f"from step {start} ({source}) on 2 rank(s)" in said
+    first, second = summary["recoveries"]
+    assert (first["step"], first["from_step"], first["from"], first["ranks"]) == (2, 1, "the in-memory copy", 2)
+    assert (second["step"], second["from_step"], second["from"], second["ranks"]) == (5, 4, "the newest checkpoint", 2)
+    assert "died (ActorDiedError)" in first["what"] and "stopped answering" in second["what"]
+    for recovery, fault in ((first, killed), (second, hung)):
+        assert recovery["recovered_at"] - fault.at < 60  # detected and recovered within a minute
+        assert f"{recovery['what']} at step {recovery['step']}; recovered in" in said
+        assert f"from step {recovery['from_step']} ({recovery['from']}) on 2 rank(s)" in said
+        print(f"{recovery['what']}: recovered {recovery['recovered_at'] - fault.at:.1f} s after the signal "
+              f"(re-forming {recovery['seconds']} s) from {recovery['from']}")
+    # the copy became a checkpoint when the recovery needed it
+    assert (out / "checkpoints" / "step_0000001" / "trainer_state.json").is_file()
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == list(range(7))
-    assert _rows(out)[6]["fault/trainer_restarts"] == 1 and _rows(out)[6]["fault/seconds_lost"] > 0
-    if copy:  # the copy became a checkpoint when the recovery needed it
-        assert (out / "checkpoints" / "step_0000003" / "trainer_state.json").is_file()
-    print(f"{recovery['what']}: recovered {recovery['recovered_at'] - fault.at:.1f} s after the signal "
-          f"(re-forming {recovery['seconds']} s) from {source}; step(s) {start + 1} to 4 redone")
+    assert _rows(out)[6]["fault/trainer_restarts"] == 2 and _rows(out)[6]["fault/seconds_lost"] > 0
     _same_after(grpo, out, 0)

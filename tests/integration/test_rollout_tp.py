@@ -95,7 +95,7 @@ def _gathered(worker):
 def test_a_sync_that_must_change_greedy_output_changes_it(tp_pool, trainer, tmp_path):
     prompt = PROBE[0][:8]
     sampling = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    before = tp_pool.generate([prompt], sampling)[0]["token_ids"]
+    before = tp_pool.generate([prompt], sampling)[0].token_ids
     assert before != [0, 0, 0, 0]
 
     # Zero the output head on the trainer: every logit becomes 0 and greedy decoding must
@@ -111,7 +111,7 @@ def test_a_sync_that_must_change_greedy_output_changes_it(tp_pool, trainer, tmp_
     trainer.call("sync_weights", 100)
     trainer.call("detach_rollout")
     after = tp_pool.generate([prompt], sampling)[0]
-    assert after["token_ids"] == [0, 0, 0, 0] and after["weight_version"] == 100
+    assert after.token_ids == [0, 0, 0, 0] and after.weight_version == 100
 
 
 def test_cpu_sleep_restarts_and_the_next_sync_restores_weights(tp_pool, trainer, tmp_path):

@@ -101,11 +101,11 @@ def test_transformers_fallback_engine_generates_and_receives_weights(ray_cluster
                 torch.testing.assert_close(torch.tensor(g), torch.tensor(e), atol=1e-4, rtol=0, msg=transport)
         out = hf_pool.generate([PROBE[0][:8], PROBE[1][:6]], {"max_tokens": 3, "temperature": 0.0, "n": 2,
                                                               "ignore_eos": True})
-        assert [r["prompt_index"] for r in out] == [0, 0, 1, 1]
+        assert [r.prompt_index for r in out] == [0, 0, 1, 1]
         for r in out:  # greedy: each token is the argmax, its logprob the trainer's
-            prompt = [PROBE[0][:8], PROBE[1][:6]][r["prompt_index"]]
-            lp = group.call("__ray_call__", lambda w, s=prompt + r["token_ids"]: _trainer_logprobs(w, [s]))[0][0]
-            torch.testing.assert_close(torch.tensor(r["logprobs"]), torch.tensor(lp[len(prompt) - 1:]),
+            prompt = [PROBE[0][:8], PROBE[1][:6]][r.prompt_index]
+            lp = group.call("__ray_call__", lambda w, s=prompt + r.token_ids: _trainer_logprobs(w, [s]))[0][0]
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(lp[len(prompt) - 1:]),
                                        atol=1e-4, rtol=0)
     finally:
         group.shutdown()
@@ -124,12 +124,12 @@ def test_a_stop_string_ends_a_completion_alike_on_vllm_and_transformers(pool, ra
     try:
         for engines in (pool, hf_pool):
             [full] = engines.generate([PROBE[0][:8]], greedy)
-            tokens, text = full["token_ids"], full["text"]
+            tokens, text = full.token_ids, full.text
             start = len(tok.decode(tokens[:2], skip_special_tokens=True))
             stop = next(c for c in text[start:] if not c.isspace())  # a character the answer reaches later
             end = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k], skip_special_tokens=True))
             [cut] = engines.generate([PROBE[0][:8]], {**greedy, "stop": [stop]})
-            assert cut["token_ids"] == tokens[:end] and cut["finish_reason"] == "stop", (engines.infos, stop)
-            assert cut["text"] == text[: text.index(stop)]
+            assert cut.token_ids == tokens[:end] and cut.finish_reason == "stop", (engines.infos, stop)
+            assert cut.text == text[: text.index(stop)]
     finally:
         hf_pool.shutdown()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from elasticrl.rewards.functions import load_function
-from elasticrl.rewards.verifiers import integer
 from elasticrl.rewards.remote import RemoteReward
+from elasticrl.rewards.verifiers import integer
 
 
 def _serve(replies: list[tuple[int, bytes]]):
@@ -92,7 +92,8 @@ def test_reward_sources_sum_functions_endpoints_and_models_with_their_weights():
             "functions": [{"path": "verifier", "weight": 2.0}],
             "remote": [{"url": url, "weight": 0.5}]}})
         with RewardSources(spec) as rewards:
-            scores = rewards(["1+1=", "2+2="], ["2", "5"], ["2", "4"], models=[(lambda: torch.tensor([0.25, 1.0]), 4.0)])
+            scores = rewards(["1+1=", "2+2="], ["2", "5"], ["2", "4"],
+                             models=[(lambda: torch.tensor([0.25, 1.0]), 4.0)])
     finally:
         server.shutdown()
     # 2 x exact (1, 0) + 0.5 x remote (0.5, -1) + 4 x model (0.25, 1) = (2 + .25 + 1, 0 - .5 + 4)
@@ -195,16 +196,33 @@ def test_an_endpoint_that_is_down_and_a_failing_reward_model_are_errors_of_their
     def model_down():
         raise RuntimeError("reward_model rank 0 died (ActorDiedError)")
 
-    with _sources(remote=[{"url": url, "timeout_s": 0.5, "retries": 0}], max_consecutive_errors=2) as rewards:
-        scores = rewards(["ok", "ok"], ["a", "bb"], [None, None], models=[(model_down, 1.0),
-                                                                          (lambda: torch.tensor([1.0, float("inf")]), 1.0)])
+    with _sources(remote=[{"url": url, "timeout_s": 0.5, "retries": 0}], max_consecutive_errors=3) as rewards:
+        inf = (lambda: torch.tensor([1.0, float("inf")]), 1.0)
+        scores = rewards(["ok", "ok"], ["a", "bb"], [None, None], models=[(model_down, 1.0), inf])
         # the function's values stand; the endpoint and the first model lost the batch, the second one sample
         assert scores.total.tolist() == [2.0, 2.0]
         assert scores.info == {"reward/errors": 5, "reward/errors/moody": 0, "reward/errors/remote0": 2,
                                "reward/errors/model0": 2, "reward/errors/model1": 1}
-        with pytest.raises(RewardError, match=rf"reward endpoint {url} failed on the batch of step 2: "
-                                              r"RuntimeError: reward endpoint .* failed 1 times"):
+        # a failed request is an error for each of its samples: 2, then the third in a row ends the run
+        with pytest.raises(RewardError, match=rf"reward endpoint {url} failed on the batch of step 2: RuntimeError: "
+                                              r"reward endpoint .* failed 1 times: .*; 3 errors in a row"):
             rewards(["ok"], ["a"], [None], where="step 2")
+    # down for the whole run, at the default limit (8): the first batch of 8 samples ends it
+    with _sources(remote=[{"url": url, "timeout_s": 0.5, "retries": 0}]) as rewards:
+        with pytest.raises(RewardError, match=r"failed on the batch of step 1: .*; 8 errors in a row"):
+            rewards(["ok"] * 8, ["a"] * 8, [None] * 8, where="step 1")
+
+
+def test_a_reward_module_that_raises_while_importing_is_named_with_its_own_error():
+    from elasticrl.rewards.sources import RewardSources
+    from elasticrl.spec import load_spec
+
+    spec = load_spec({"algorithm": "grpo", "rewards": {"functions": [{"path": "tests.rewards.broken:score"}]}})
+    with pytest.raises(ValueError) as err:
+        with RewardSources(spec):
+            pass
+    assert str(err.value) == ("rewards.functions[0].path: cannot import 'tests.rewards.broken:score': importing "
+                              "tests.rewards.broken raised TypeError: string indices must be integers, not 'str'")
 
 
 def test_a_reward_function_that_does_not_import_fails_at_start_naming_it():

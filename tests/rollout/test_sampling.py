@@ -18,14 +18,7 @@ def test_sampling_params_carry_every_rollout_setting_and_the_step_seed():
     assert "top_k" not in sampling_params(load_spec({}), 0)  # 0 disables it: vLLM's default then
 
 
-def test_stop_strings_reach_rollouts_and_evaluation_is_due_as_the_spec_says():
-    from elasticrl.trainers.loop import eval_due
-
+def test_stop_strings_reach_rollouts():
     spec = load_spec({}, ['rl.stop=["\\n", "="]'])
     assert sampling_params(spec, 0)["stop"] == ["\n", "="]
     assert "stop" not in sampling_params(load_spec({}), 0)
-    # every 3 steps and at the end (10); never with eval.enabled false; only at the end with 0
-    due = lambda sets: [d for d in range(1, 11) if eval_due(load_spec({}, sets), d, 10)]  # noqa: E731
-    assert due(["eval.every_steps=3"]) == [3, 6, 9, 10]
-    assert due(["eval.every_steps=3", "eval.enabled=false"]) == []
-    assert due(["eval.every_steps=0"]) == [10]

@@ -73,10 +73,12 @@ BAD = [
      "rl.samples_per_prompt: the grpo advantage compares the samples of a prompt: needs >= 2, got 1"),
     ({"algorithm": "reinforce++", "rl": {"samples_per_prompt": 1}}, [],
      "rl.samples_per_prompt: the reinforce++_baseline advantage compares the samples of a prompt"),
-    ({"algorithm": "grpo", "rl": {"advantage": "gae"}}, [], "rl.advantage: gae needs a critic's values; use algorithm: ppo"),
+    ({"algorithm": "grpo", "rl": {"advantage": "gae"}}, [],
+     "rl.advantage: gae needs a critic's values; use algorithm: ppo"),
     ({"algorithm": "grpo", "rl": {"prompts_per_step": 3, "samples_per_prompt": 4}}, [],
      "train.global_batch_size: must divide rl.prompts_per_step x rl.samples_per_prompt = 12"),
-    ({"algorithm": "ppo", "critic": {"num_ranks": 3}}, [], "critic.num_ranks: must divide train.global_batch_size (64)"),
+    ({"algorithm": "ppo", "critic": {"num_ranks": 3}}, [],
+     "critic.num_ranks: must divide train.global_batch_size (64)"),
     ({"algorithm": "grpo", "rl": {"temperature": 0}}, [], "rl.temperature: RL learns from sampled rollouts"),
     ({"algorithm": "grpo", "rl": {"async_rollout": True}, "placement": {"colocate": "all"}}, [],
      "rl.async_rollout: rolls out while the trainers train, but placement.colocate 'all'"),
@@ -99,7 +101,8 @@ BAD = [
     ({"model": {"path": "/nonexistent/model"}}, [], "model.path: /nonexistent/model is not a folder"),
     ({"data": {"train": "/nonexistent.jsonl"}}, [], "data.train: /nonexistent.jsonl not found; give a data file"),
     ({}, ["train.lr"], "--set 'train.lr': expected FIELD.PATH=VALUE"),
-    ({"train": {"zero_stage": 2}}, ["train.zero_stage.x=1"], "train.zero_stage: --set 'train.zero_stage.x=1': this field is not a section"),
+    ({"train": {"zero_stage": 2}}, ["train.zero_stage.x=1"],
+     "train.zero_stage: --set 'train.zero_stage.x=1': this field is not a section"),
 ]
 
 

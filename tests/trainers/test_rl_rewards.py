@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from elasticrl.rewards.sources import Scores
+from elasticrl.rollout.sample import Sample
 from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import Step, _drop
 
@@ -13,7 +14,7 @@ from elasticrl.trainers.rl import Step, _drop
 def test_a_dropped_sample_leaves_the_loss_and_takes_its_groups_mean():
     spec = load_spec({"algorithm": "grpo", "rl": {"samples_per_prompt": 4}})
     mask = torch.ones(8, 3, dtype=torch.long)
-    s = Step(step=0, indices=[0, 1], results=[], batch={"response_mask": mask})
+    s = Step(step=0, indices=[0, 1], results=[], batch=SimpleNamespace(response_mask=mask))
     keep = torch.tensor([True, True, False, True, False, False, False, False])
     total = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     out = _drop(SimpleNamespace(spec=spec), s, Scores(total, keep))
@@ -27,10 +28,10 @@ def test_overlong_responses_are_punished_softly_and_filtered_from_the_loss():
 
     spec = load_spec({"algorithm": "grpo", "rl": {"samples_per_prompt": 2, "max_new_tokens": 8,
                                                   "overlong_buffer": 4, "overlong_filter": True}})
-    results = [{"token_ids": [1] * n, "finish_reason": why} for n, why in ((3, "stop"), (6, "stop"), (8, "length"),
-                                                                           (8, "stop"))]
+    results = [Sample(0, [1] * n, [0.0] * n, "", why, 0) for n, why in ((3, "stop"), (6, "stop"), (8, "length"),
+                                                                         (8, "stop"))]
     mask = torch.ones(4, 8, dtype=torch.long)
-    s = Step(step=0, indices=[0, 1], results=results, batch={"response_mask": mask})
+    s = Step(step=0, indices=[0, 1], results=results, batch=SimpleNamespace(response_mask=mask))
     out = _overlong(SimpleNamespace(spec=spec), s, torch.tensor([1.0, 1.0, 1.0, 0.0]))
     # free up to 4 tokens: 3 -> 0, 6 -> -0.5, 8 -> -1 (cut or not)
     assert out.tolist() == [1.0, 0.5, 0.0, -1.0]

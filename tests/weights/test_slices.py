@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from elasticrl.weights.plan import Arena, replay
-from elasticrl.weights.slices import (Layout, assign, buckets, receive_order, view_box, worker_pieces,
-                                      write_piece)
+from elasticrl.weights.slices import Layout, assign, buckets, receive_order, view_box, worker_pieces, write_piece
 
 
 def test_a_narrow_view_is_a_box_and_a_transpose_is_not():

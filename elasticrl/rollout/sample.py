@@ -1,0 +1,15 @@
+"""What a rollout engine answers for each completion: one typed record, whatever the engine
+(vLLM's or the transformers fallback) and whichever engine of the pool served it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Sample:
+    prompt_index: int          # which of the request's prompts it completes
+    token_ids: list[int]       # the completion's tokens, as sampled
+    logprobs: list[float]      # each token's log-prob under the distribution it was drawn from
+    text: str                  # the tokens decoded
+    finish_reason: str | None  # 'stop' (end of sequence or a stop string), 'length' (max_tokens)
+    weight_version: int        # the engine's weights when it generated them

@@ -1,0 +1,259 @@
+"""An RL run's roles and what its steps share: every role placed (``Roles``: the engines,
+the trained and frozen models, re-formed when a trained rank is lost), the state carried
+from step to step (``Run``), and what keeps the run going: its checkpoints, resume, the
+in-memory copy and the recovery of a lost trainer rank (elasticity L3). The step itself is
+``trainers.rl``."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticrl import backend
+from elasticrl.algorithms.normalize import RunningMoments
+from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable
+from elasticrl.data.records import Records
+from elasticrl.engine import checkpoint as ckpt
+from elasticrl.engine.checkpoint import Resume, list_checkpoints
+from elasticrl.plan.planner import fewer_ranks
+from elasticrl.rewards.sources import RewardSources
+from elasticrl.rollout.pool import RolloutPool
+from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.trainers.loop import Cadence, MetricsLog, Progress, save_checkpoint
+from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
+
+log = logging.getLogger(__name__)
+PHASES = ("rollout", "experience", "train", "sync")
+
+
+def critic_train(spec: JobSpec, ranks: int | None = None) -> dict:
+    """The critic's own train settings: its rank count (``ranks``: fewer than the spec's, after
+    a node was lost), and the actor's micro-batch unless that does not divide its share of a
+    mini-batch (then the whole share, with a warning)."""
+    t, ranks = spec.train, ranks or spec.critic.num_ranks
+    mbs = t.micro_batch_size
+    if t.global_batch_size % (mbs * ranks):
+        mbs = t.global_batch_size // ranks
+        log.warning("train.micro_batch_size: %d does not divide the critic's share of a mini-batch "
+                    "(train.global_batch_size %d over critic.num_ranks %d); the critic uses micro-batches of %d",
+                    t.micro_batch_size, t.global_batch_size, ranks, mbs)
+    return {"num_ranks": ranks, "tp_size": 1, "global_batch_size": t.global_batch_size, "micro_batch_size": mbs}
+
+
+class Roles:
+    """Every role of the job, placed by ``cluster.Placement`` (``placement.colocate``)."""
+
+    def __init__(self, spec: JobSpec, paths: dict[str, str], total_updates: int, resume: Resume = Resume()):
+        """``resume``: a checkpoint the actor and the critic continue from."""
+        d = spec_to_dict(spec)
+        self.spec, self.dict, self.paths, self.total_updates = spec, d, paths, total_updates
+        self.placement = p = Placement(spec)
+        idle = spec.placement.offload_idle
+        if idle and not backend.has_gpu():
+            log.warning("placement.offload_idle: ignored without GPUs (frozen models stay in host memory anyway)")
+        self.groups: list[RoleGroup] = []
+        self.actor = self.critic = None
+        t0 = time.time()
+        # the engines start first and load while the trained and frozen roles are built
+        self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
+                                spec.model.trust_remote_code, where=p.options("rollout"), wait=False)
+        self.groups.append(self.pool.group)
+        # the frozen roles load while the trained ones are built
+        self.reference, self.rewards, frozen = None, [], []
+        if "reference" in p.roles:
+            self.reference = self._add(p.group("reference", FrozenWorker, d, paths["model"], "reference", idle))
+            frozen.append(self.reference.setup(wait=False))
+        for i, m in enumerate(spec.rewards.models):
+            g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
+            frozen.append(g.setup(wait=False))
+            self.rewards.append((g, m.weight))
+        self.form_trained(resume)
+        for wait in frozen:
+            wait()
+        t_models = time.time()
+        self.pool.ready()
+        self.startup = {"models_s": round(t_models - t0, 1), "roles_s": round(time.time() - t0, 1)}
+
+    def form_trained(self, resume: Resume, elastic: bool = False) -> None:
+        """The trained roles, the actor and (ppo) the critic, from ``resume``'s checkpoint or
+        the start model; called again after one of their ranks was lost (``elastic``), which
+        tears the old groups down first (the engines, the reference and the rewards stay up)
+        and re-forms each on fewer ranks when its own can no longer be placed."""
+        spec, d, p = self.spec, self.dict, self.placement
+        for g in (self.actor, self.critic):
+            if g is not None:
+                self.groups.remove(g)
+                g.shutdown()
+        self.actor = self._add(self.trained_groups("actor", elastic, lambda ranks, timeout: p.group(
+            "actor", ActorWorker, d, self.paths["model"], ranks=ranks, place_timeout_s=timeout)))
+        if spec.rl.ptx_coef > 0:
+            self.actor.call("set_ptx_data", self.paths["sft"])
+        self.actor.setup(self.total_updates, resume=resume.role("actor"))
+        if "critic" in p.roles:
+            init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else self.paths["model"])
+            self.critic = self._add(self.trained_groups("critic", elastic, lambda ranks, timeout: p.group(
+                "critic", CriticWorker, d, init, critic_train(spec, ranks), spec.critic.lr, ranks=ranks,
+                place_timeout_s=timeout)))
+            self.critic.setup(self.total_updates, resume=resume.role("critic"))
+
+    def trained_groups(self, role: str, elastic: bool, make) -> RoleGroup:
+        """``make(ranks, place_timeout_s)`` at the job's rank count; when ``elastic`` and those no
+        longer fit (a node is gone), at the most ranks the planner keeps the global batch with."""
+        ranks = self.placement.roles[role].ranks
+        if not elastic or role in self.placement.shared:  # colocated: its bundles are shared
+            return make(ranks, 300)
+        while True:
+            try:
+                return make(ranks, self.spec.fault.place_timeout_s)
+            except Unplaceable as exc:
+                fewer = fewer_ranks(self.spec, role, min(ranks - 1, exc.room if exc.room is not None else ranks))
+                if not fewer:
+                    raise
+                print(f"{exc}; re-forming {role} on {fewer} rank(s)", file=sys.stderr, flush=True)
+                ranks = fewer
+
+    def threads(self) -> dict[str, int]:
+        """Role -> CPU threads its rank 0 computes with (``train.threads``)."""
+        return {g.role: g.call_rank(0, "threads") for g in self.groups if g is not self.pool.group}
+
+    def layout(self) -> dict[str, str]:
+        """Role -> id of the placement group it runs on (colocated roles share one)."""
+        return {g.role: g.pg.id.hex()[:12] for g in self.groups}
+
+    def _add(self, group: RoleGroup) -> RoleGroup:
+        self.groups.append(group)
+        return group
+
+    def shutdown(self) -> None:
+        for g in reversed(self.groups):
+            try:
+                if g is self.pool.group:
+                    self.pool.shutdown()
+                else:
+                    g.shutdown()
+            except Exception as exc:  # noqa: BLE001 - keep tearing down the others
+                log.warning("shutting down %s: %s", g.role, exc)
+        self.placement.remove()
+
+
+# --- the run and its step ---------------------------------------------------------------
+@dataclass
+class Run:
+    """What the steps of an RL run share and carry from one to the next."""
+
+    spec: JobSpec                                    # the job's (with a trained reward model filled in)
+    roles: Roles
+    rewards: RewardSources
+    tokenizer: object
+    prompts: Records
+    prompt_ids: Encoded
+    evals: Records
+    eval_ids: list[list[int]]
+    output: Path
+    asked: JobSpec | None = None                     # the spec as the user gave it, which checkpoints record
+    metrics: MetricsLog | None = None
+    progress: Progress | None = None
+    moments: RunningMoments = field(default_factory=RunningMoments)
+    version: int = 0                                 # weight version in the engines
+    drawn: int = 0                                   # prompts drawn so far: the data position
+    pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
+    totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    checkpoints: list = field(default_factory=list)  # (seconds, bytes) of each checkpoint written
+    saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
+    restarts: int = 0                                # times the trained roles were re-formed (L3)
+    recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
+    scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
+    seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
+    copy: tuple | None = None                        # (step, {role: files}, driver state): fault.memory_copy_steps
+
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.spec, self.spec.rl.num_steps)
+
+
+class Encoded:
+    """The token ids of a dataset's prompts, encoded when asked for (a large dataset is not
+    tokenised up front, nor held in memory)."""
+
+    def __init__(self, records, encode):
+        self.records, self.encode = records, encode
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.encode(self.records[i])
+
+
+def resume_state(run: Run, resume: Resume) -> int:
+    """What the driver carries between steps, from a checkpoint (the actor and the critic
+    started from it already); returns the step to continue from."""
+    state = resume.state
+    run.version = state["version"]
+    run.drawn = state.get("prompts_seen", state["step"] * run.spec.rl.prompts_per_step)
+    run.moments.mean, run.moments.var, run.moments.count = state["reward_moments"]
+    return state["step"]
+
+
+def recover(run: Run, exc: RoleError, step: int) -> int:
+    """Elasticity L3: a rank of the actor or the critic died or hung during step ``step``
+    (0-based). Re-form both from the newest checkpoint (the start model without one), bring
+    the driver's state and the metrics back to it, sync its weights into the engines, and
+    return the step to continue from; the steps redone repeat (same data, same seeds). Any
+    other failure, or one past ``fault.max_restarts``, ends the run as before."""
+    spec, roles = run.spec, run.roles
+    if not exc.lost or exc.role not in ("actor", "critic") or run.restarts >= spec.fault.max_restarts:
+        raise exc
+    t0 = time.time()
+    run.restarts += 1
+    run.pending.clear()  # rolled out ahead on weights the restored roles never had
+    found = list_checkpoints(run.output / ckpt.CHECKPOINTS)
+    source = "the newest checkpoint" if found else "the start"
+    if run.copy and (not found or run.copy[0] > found[-1][0]):  # the in-memory copy is newer: it becomes one
+        copied, files, state = run.copy
+        save_checkpoint(files, run.asked, run.output, copied, state)
+        found, source, run.copy = list_checkpoints(run.output / ckpt.CHECKPOINTS), "the in-memory copy", None
+    resume = ckpt.resume_from(found[-1][1]) if found else Resume()
+    roles.form_trained(resume, elastic=True)
+    if resume.folder is None:
+        run.version, run.moments, run.drawn, start = 0, RunningMoments(), 0, 0
+    else:
+        start = resume_state(run, resume)
+    run.metrics.close()
+    run.metrics = MetricsLog(run.output, run.asked, resume_step=start)
+    roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(run.output / "weights"))
+    roles.pool.sync(run.version)
+    run.seconds_lost += time.time() - run.saved_at
+    run.saved_at = time.time()
+    run.recoveries.append({"what": exc.what, "step": step + 1, "from_step": start, "from": source,
+                           "ranks": roles.actor.num_ranks, "seconds": round(time.time() - t0, 1),
+                           "recovered_at": time.time()})
+    print(f"{exc.what} at step {step + 1}; recovered in {time.time() - t0:.1f} s from step {start} ({source}) on "
+          f"{roles.actor.num_ranks} rank(s) ({run.restarts} of fault.max_restarts {spec.fault.max_restarts})",
+          file=sys.stderr, flush=True)
+    return start
+
+
+def trained_groups(roles: Roles) -> dict:
+    return {"actor": roles.actor, **({"critic": roles.critic} if roles.critic else {})}
+
+
+def driver_state(run: Run, step: int) -> dict:
+    """What the driver carries between steps, as a checkpoint records it (``_resume`` reads it)."""
+    m = run.moments
+    ahead = sum(len(idx) for _, idx, _ in run.pending)  # drawn for steps after this one (async)
+    return {"prompts_seen": run.drawn - ahead, "version": run.version,
+            "reward_moments": [m.mean, m.var, m.count]}
+
+
+def merged(per_rank: list[dict]) -> dict:
+    return {name: data for files in per_rank for name, data in files.items()}
+
+
+def save(run: Run, step: int) -> None:
+    t0 = time.time()
+    save_checkpoint(trained_groups(run.roles), run.asked, run.output, step, driver_state(run, step))
+    run.copy = None  # the checkpoint is as new
+    folder = ckpt.step_dir(run.output / ckpt.CHECKPOINTS, step)
+    run.checkpoints.append((time.time() - t0, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())))
+    run.saved_at = time.time()
