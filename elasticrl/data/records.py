@@ -57,9 +57,6 @@ KINDS = {
                  and _pa().types.is_struct(t.value_type)
                  and {"role", "content"} <= {f.name for f in t.value_type},
                  "a list of chat messages ({role, content})"),
-    "answer": (lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool),
-               lambda t: _pa().types.is_string(t) or _pa().types.is_large_string(t) or _pa().types.is_integer(t)
-               or _pa().types.is_floating(t), "text or a number"),
     "label": (lambda v: isinstance(v, (bool, int, float)), lambda t: _pa().types.is_boolean(t)
               or _pa().types.is_integer(t) or _pa().types.is_floating(t), "true/false (or 1/0)"),
 }
@@ -72,9 +69,11 @@ def _pa():
 
 
 def field_kinds(data) -> dict[str, tuple[str, str]]:
-    """The spec's data fields: row key -> (its kind in KINDS, the spec field that names it)."""
+    """The spec's data fields: row key -> (its kind in KINDS, the spec field that names it).
+    A reference answer has no kind here: what it may be is the verifier's (a JSON schema is
+    an object, a regex text)."""
     kinds = {"prompt_key": "text", "messages_key": "messages", "response_key": "text", "chosen_key": "text",
-             "rejected_key": "text", "answer_key": "answer", "label_key": "label"}
+             "rejected_key": "text", "label_key": "label"}
     return {getattr(data, name): (kind, f"data.{name}") for name, kind in kinds.items()}
 
 
