@@ -150,12 +150,19 @@ def sweep_orphans(pattern: str, root: str | Path = "/tmp") -> list[Path]:
             continue
         if not owner_gone(folder / OWNER_MARK):  # alive, or not a folder elasticrl marked
             continue
-        for orphan in _processes_naming(str(folder)):
-            with contextlib.suppress(OSError):
-                os.kill(orphan, signal.SIGKILL)
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_with_processes(folder)
         removed.append(folder)
     return removed
+
+
+def remove_with_processes(folder: str | Path) -> None:
+    """Remove ``folder`` and first end (SIGKILL, by PID) this user's processes that name it on
+    their command line (a path inside it): Ray's agents outlive its raylet by seconds and would
+    write into it."""
+    for orphan in _processes_naming(f"{Path(folder)}{os.sep}"):
+        with contextlib.suppress(OSError):
+            os.kill(orphan, signal.SIGKILL)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # Where the weight buffers of the engines on this node live (weights.shm), named

@@ -23,7 +23,6 @@ import base64
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +32,7 @@ import time
 import zlib
 from pathlib import Path
 
-from elasticrl.files import mark_owner, owned_dir, owner_gone, sweep_orphans, write_text
+from elasticrl.files import mark_owner, owned_dir, owner_gone, remove_with_processes, sweep_orphans, write_text
 from elasticrl.plan.roles import POOL_PREFIX
 from launch import JOIN_TIMEOUT_S, LOST_S, OUTPUT
 
@@ -189,7 +188,7 @@ def head(ns: argparse.Namespace) -> int:
     log_path = Path(ns.output) / "logs" / "ray-head.log"
     proc, code = None, 1
     _on_terminate.append(lambda: proc is not None and _stop(proc, 1.0))
-    _on_terminate.append(lambda: shutil.rmtree(temp, ignore_errors=True))
+    _on_terminate.append(lambda: remove_with_processes(temp))
     try:
         import ray
 
@@ -251,7 +250,7 @@ def _finish(ns, proc, code: int) -> None:
     finally:
         if proc is not None:
             _stop(proc, 3.0)
-        shutil.rmtree(_temp_dir(ns.app_id), ignore_errors=True)
+        remove_with_processes(_temp_dir(ns.app_id))
         sweep_orphans(f"{_temp_dir(ns.app_id).name}-*")  # the folders of this app's nodes that were lost
         _log(f"done, exit code {code}")
 
@@ -278,7 +277,7 @@ def worker(ns: argparse.Namespace) -> int:
     args += ["--temp-dir", str(temp / "r")]  # inside a folder private to the user: Ray opens its own to all
     _log(f"joining the Ray head at {address} as pool {ns.pool!r}")
     proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.pool}-{os.getpid()}.log")
-    _on_terminate.extend([lambda: _stop(proc, 1.0), lambda: shutil.rmtree(temp, ignore_errors=True)])
+    _on_terminate.extend([lambda: _stop(proc, 1.0), lambda: remove_with_processes(temp)])
     lost_since = None
     try:
         while True:
@@ -300,7 +299,7 @@ def worker(ns: argparse.Namespace) -> int:
                 return 0
     finally:
         _stop(proc, 3.0)
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_with_processes(temp)
 
 
 def _terminated(signum, _frame):

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from elasticrl.spec import load_spec
 from elasticrl.trainers.warm_start import initial_model
+from launch.node import _tail
 from tests.conftest import ROOT, run_cli
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
@@ -332,7 +333,12 @@ def test_slurm_job_takes_a_node_survives_a_trainer_rank_and_its_head_killed_and_
     _until("the joined node's job ended", lambda: re.search(r"COMPLETED|FAILED|CANCELLED", subprocess.run(
         sacct[:-2] + ["State", "-j", node_job], capture_output=True, text=True, env=env).stdout), 120, every_s=2)
     # scancel's SIGTERM reached the nodes: each stops the Ray it started (within Slurm's KillWait, 30 s here)
-    _until("every node's files gone", lambda: set(_leftovers(tmp_path)) <= before, 45)
+    left = lambda: sorted(set(_leftovers(tmp_path)) - before)  # noqa: E731
+    try:
+        _until("every node's files gone", lambda: not left(), 45)
+    except AssertionError as exc:
+        logs = {p.name: _tail(p) for p in tmp_path.glob("slurm-*.err")}
+        raise AssertionError(f"{exc}: left {left()}; the nodes' last lines: {logs}") from None
     logged = [r["step"] for r in _metrics(out)]
     assert logged == list(range(logged[0], logged[-1] + 1)), logged  # every step once, none lost
 
