@@ -157,9 +157,9 @@ def sweep_orphans(pattern: str, root: str | Path = "/tmp") -> list[Path]:
 
 def remove_with_processes(folder: str | Path) -> None:
     """Remove ``folder`` and first end (SIGKILL, by PID) this user's processes that name it on
-    their command line (a path inside it): Ray's agents outlive its raylet by seconds and would
+    their command line (it, or a path inside it): Ray's agents outlive its raylet by seconds and would
     write into it."""
-    for orphan in _processes_naming(f"{Path(folder)}{os.sep}"):
+    for orphan in _processes_naming(f"{Path(folder)}{os.sep}", f"{Path(folder)}\0"):
         with contextlib.suppress(OSError):
             os.kill(orphan, signal.SIGKILL)
     shutil.rmtree(folder, ignore_errors=True)
@@ -222,13 +222,14 @@ def _reap() -> None:
         time.sleep(0.5)
 
 
-def _processes_naming(text: str) -> list[int]:
-    """This user's processes whose command line contains ``text``."""
-    found = []
+def _processes_naming(*texts: str) -> list[int]:
+    """This user's processes whose command line (NUL-separated arguments) contains one of ``texts``."""
+    found, wanted = [], [t.encode() for t in texts]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if entry.stat().st_uid == os.getuid() and text.encode() in (entry / "cmdline").read_bytes():
+                cmdline = (entry / "cmdline").read_bytes() if entry.stat().st_uid == os.getuid() else b""
+                if any(w in cmdline for w in wanted):
                     found.append(int(entry.name))
             except OSError:
                 continue

@@ -16,7 +16,7 @@ from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.world.task import is_correct
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, LEARNING
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,6 @@ PPO_LEARNING = ["world.max_operand=9", "eval.enabled=false", "rl.prompts_per_ste
 def test_ppo_with_a_critic_learns_its_prompts(ray_cluster, tmp_path):
     from elasticrl.data.records import read_records
     from elasticrl.world import world_paths
-    from tests.conftest import LEARNING
 
     sets = BASE + PPO_LEARNING + LEARNING
     prompts = read_records(world_paths(load_spec(EXAMPLES / "tiny_ppo.yaml", sets).world)["rl_prompts"])[:8]
