@@ -9,6 +9,7 @@ demo: install
 	.venv/bin/elasticrl run examples/tiny_grpo.yaml --output $(OUT)
 
 test: install
+	.venv/bin/python -m tests.prepare
 	.venv/bin/python -m pytest -q
 
 lint: install

@@ -285,11 +285,12 @@ def worker(ns: argparse.Namespace) -> int:
             if proc.poll() is not None:
                 _log(f"error: the Ray node exited with code {proc.returncode}")
                 return 1
-            try:
-                done = _gcs_get(address, DONE_KEY)
+            asked = time.time()
+            try:  # a short wait per ask: a head gone is seen within --lost-s and one ask more
+                done = _gcs_get(address, DONE_KEY, timeout_s=min(10.0, max(2.0, ns.lost_s / 4)))
                 lost_since = None
             except Exception:  # noqa: BLE001 - any failure to reach the head counts toward losing it
-                lost_since = lost_since or time.time()
+                lost_since = lost_since or asked  # it has not answered since it was asked
                 if time.time() - lost_since > ns.lost_s:
                     _log(f"error: lost the head at {address} for {ns.lost_s}s before it finished")
                     return 1

@@ -43,6 +43,16 @@ def pool(ray_cluster):
     yield from pool_of(load_spec({}, SPEC))
 
 
+HF = SPEC + ["rollout.backend=hf", "rollout.num_engines=1"]
+
+
+@pytest.fixture(scope="module")
+def hf_pool(ray_cluster):
+    """The transformers fallback engine, for the tests of both engines (the stop-string test
+    first: it asks for the starting weights' greedy answers)."""
+    yield from pool_of(load_spec({}, HF))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_synced_engines_score_like_the_trainer(pool, stage, tmp_path):
     spec = load_spec({}, SPEC + [f"train.zero_stage={stage}"])
@@ -80,9 +90,26 @@ def test_synced_engines_score_like_the_trainer(pool, stage, tmp_path):
         group.shutdown()
 
 
-def test_transformers_fallback_engine_generates_and_receives_weights(ray_cluster, tmp_path):
-    spec = load_spec({}, SPEC + ["rollout.backend=hf", "rollout.num_engines=1"])
-    hf_pool = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", seed=0)
+def test_a_stop_string_ends_a_completion_alike_on_vllm_and_transformers(pool, hf_pool):
+    """rl.stop as both engines apply it: generation ends at the token that completes the
+    string (those tokens are what the trainer sees), the text ends before it."""
+    from elasticrl.models import load_tokenizer
+
+    tok = load_tokenizer(resolve_paths(load_spec({}, HF))["model"])
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    for engines in (pool, hf_pool):
+        [full] = engines.generate([PROBE[0][:8]], greedy)
+        tokens, text = full.token_ids, full.text
+        start = len(tok.decode(tokens[:2], skip_special_tokens=True))
+        stop = next(c for c in text[start:] if not c.isspace())  # a character the answer reaches later
+        end = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k], skip_special_tokens=True))
+        [cut] = engines.generate([PROBE[0][:8]], {**greedy, "stop": [stop]})
+        assert cut.token_ids == tokens[:end] and cut.finish_reason == "stop", (engines.infos, stop)
+        assert cut.text == text[: text.index(stop)]
+
+
+def test_transformers_fallback_engine_generates_and_receives_weights(hf_pool, tmp_path):
+    spec = load_spec({}, HF)
     group = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), resolve_paths(spec))
     try:
         assert hf_pool.infos[0]["mode"] == "hf"
@@ -109,27 +136,3 @@ def test_transformers_fallback_engine_generates_and_receives_weights(ray_cluster
                                        atol=1e-4, rtol=0)
     finally:
         group.shutdown()
-        hf_pool.shutdown()
-
-
-def test_a_stop_string_ends_a_completion_alike_on_vllm_and_transformers(pool, ray_cluster):
-    """rl.stop as both engines apply it: generation ends at the token that completes the
-    string (those tokens are what the trainer sees), the text ends before it."""
-    from elasticrl.models import load_tokenizer
-
-    spec = load_spec({}, SPEC + ["rollout.backend=hf", "rollout.num_engines=1"])
-    tok = load_tokenizer(resolve_paths(spec)["model"])
-    hf_pool = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", seed=0)
-    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-    try:
-        for engines in (pool, hf_pool):
-            [full] = engines.generate([PROBE[0][:8]], greedy)
-            tokens, text = full.token_ids, full.text
-            start = len(tok.decode(tokens[:2], skip_special_tokens=True))
-            stop = next(c for c in text[start:] if not c.isspace())  # a character the answer reaches later
-            end = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k], skip_special_tokens=True))
-            [cut] = engines.generate([PROBE[0][:8]], {**greedy, "stop": [stop]})
-            assert cut.token_ids == tokens[:end] and cut.finish_reason == "stop", (engines.infos, stop)
-            assert cut.text == text[: text.index(stop)]
-    finally:
-        hf_pool.shutdown()
