@@ -89,6 +89,37 @@ def straight(ray_cluster, tmp_path_factory):
     return out
 
 
+def test_the_export_loads_in_transformers_and_vllm(straight):
+    """The straight run's export (final/) in vLLM's CPU build, in a process of its own: its
+    greedy tokens are transformers' argmax, with the same log-probabilities."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = straight / "final"
+    tok = AutoTokenizer.from_pretrained(final)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for p in ("12+7=", "30-4=", "5+5=")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_probe.py")), str(final),
+                           json.dumps(prompts)], capture_output=True, text=True, timeout=400, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    results = json.loads(lines[0][len("RESULT "):])
+    hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    for prompt, res in zip(prompts, results):
+        assert res["token_ids"], res
+        seq = torch.tensor([prompt + res["token_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(seq).logits[0].float(), -1)
+        hf_lp = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(res["token_ids"])]
+        hf_greedy = [int(logp[len(prompt) - 1 + i].argmax()) for i in range(len(res["token_ids"]))]
+        assert res["token_ids"] == hf_greedy
+        torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(hf_lp), atol=1e-4, rtol=0)
+
+
 def test_zero2_zero3_and_autotp_train_the_same_model(straight, tmp_path):
     """The straight run (ZeRO-2), and the same 8 steps on ZeRO-3 and on AutoTP 2 x ZeRO-1."""
     runs = {"zero3": ["train.zero_stage=3"],
