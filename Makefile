@@ -10,7 +10,7 @@ demo: install
 
 test: install
 	.venv/bin/python -m tests.prepare
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=12
 
 lint: install
 	.venv/bin/ruff check .
