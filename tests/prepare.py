@@ -27,8 +27,9 @@ def main() -> None:
         # the RL, launch and fault tests' (default world, fp32) and PPO's reward model on it
         trained_reward_model(load_spec(EXAMPLES / "tiny_ppo.yaml", BASE + PPO))
         # the single-digit world's: the preference, rounds and learning tests' (auto may differ from fp32)
-        for sets in (PREFERENCE_BASE + PREFERENCE + LEARNING, ROUNDS):
-            initial_model(load_spec(EXAMPLES / "tiny_dpo.yaml", sets))
+        for example, sets in (("tiny_dpo.yaml", PREFERENCE_BASE + PREFERENCE + LEARNING),
+                              ("tiny_rejection_sampling.yaml", ROUNDS)):
+            initial_model(load_spec(EXAMPLES / example, sets))
     print(f"[tests.prepare] the tests' worlds and warm starts are ready ({time.time() - t0:.0f} s)", file=sys.stderr)
 
 

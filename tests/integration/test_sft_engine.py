@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,9 +94,6 @@ def straight(ray_cluster, tmp_path_factory):
 def test_the_export_loads_in_transformers_and_vllm(straight):
     """The straight run's export (final/) in vLLM's CPU build, in a process of its own: its
     greedy tokens are transformers' argmax, with the same log-probabilities."""
-    import sys
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final = straight / "final"
