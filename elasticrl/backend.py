@@ -121,6 +121,10 @@ def rollout_env(tp_size: int, threads: int) -> dict[str, str]:
         # vLLM would pin each worker to cores (and, with TP > 1, demand a NUMA node per worker);
         # engines share the machine with trainers, so let the OS schedule them.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # The engine runs eager (enforce_eager), but a few of vLLM's helpers are torch.compile'd
+        # (the sampled tokens' log-prob ranks): inductor would compile them at the first request,
+        # ~1 s of every engine start; eager, its share of a CPU rollout is within the noise.
+        "TORCHDYNAMO_DISABLE": "1",
     }
     if tp_size == 1:
         # In-process engine: starts in seconds at ~1.8 GB instead of three processes at ~3 GB.

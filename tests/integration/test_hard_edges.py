@@ -22,7 +22,8 @@ from tests.integration.test_launch import _descendants
 pytestmark = pytest.mark.slow
 
 LONG = ["model.dtype=fp32", "log.progress_bar=false", "init.sft_steps=60", "rl.num_steps=200", "eval.enabled=false",
-        "rl.eval_samples=2", "eval.num_prompts=32"]
+        "rl.eval_samples=2", "eval.num_prompts=32", "rl.prompts_per_step=8", "rl.samples_per_prompt=4",
+        "train.micro_batch_size=16", "train.global_batch_size=32"]
 
 
 def _running(tmp_path, step: int) -> tuple[subprocess.Popen, Path]:

@@ -40,16 +40,22 @@ PREFERENCE = ["world.max_operand=9", "eval.num_prompts=0", "train.max_steps=24"]
 
 
 @pytest.mark.parametrize("variant", [
-    ["algorithm=dpo", "preference.reference=precomputed", "data.packing=true"],
     ["algorithm=dpo", "preference.loss=ipo"],
     ["algorithm=dpo", "preference.label_smoothing=0.1"],
     # a pair gives KTO two examples: twice the steps see the same pairs as DPO's 24
     ["algorithm=kto", "data.packing=true", "train.max_steps=48"],
-], ids=["dpo-precomputed-packed", "ipo", "cdpo", "kto-packed"])
+], ids=["ipo", "cdpo", "kto-packed"])
 def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, variant):
+    """(DPO's own run, with a precomputed reference and packed pairs, is the straight run of its
+    resume test, in test_resume.py.)"""
     spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + PREFERENCE + variant + LEARNING)
     summary = run_preference(spec, tmp_path / "run")
-    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    check_preference_learned(spec, tmp_path / "run", summary)
+
+
+def check_preference_learned(spec, out, summary) -> None:
+    """What a learning run of a preference variant (BASE + PREFERENCE) must show in ``out``."""
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = rows[0], rows[-1]
     steps = spec.train.max_steps
     assert first["step"] == 0 and last["step"] == steps
@@ -62,7 +68,7 @@ def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, v
     assert last["eval/margin"] > 0.05 and last["eval/pairwise_accuracy"] > bar, last
     # the policy's own preference for the right answer grew
     assert last["eval/logp_margin"] > first["eval/logp_margin"] + 0.5, (first, last)
-    assert summary["final"]["step"] == steps and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert summary["final"]["step"] == steps and (out / "final" / "model.safetensors").is_file()
     if spec.algorithm == "kto":
         assert all(r["kl_ref"] >= 0 for r in rows[1:])  # the reference point is clamped at 0
     else:
@@ -95,17 +101,24 @@ def _greedy_accuracy(model_dir, records) -> float:
     return correct / total
 
 
-@pytest.mark.parametrize("algorithm", ["rejection_sampling", "iterative_dpo"])
-def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algorithm):
-    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml",
-                     ROUNDS + ROUNDS_LEARNING + [f"algorithm={algorithm}"] + LEARNING)
+def test_rejection_sampling_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path):
+    """(Iterative DPO's learning run is the straight run of its resume test, in test_resume.py.)"""
+    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + ROUNDS_LEARNING + LEARNING)
     summary = run_rounds(spec, tmp_path / "run")
-    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    check_rounds_learned(spec, tmp_path / "run", summary)
+
+
+def check_rounds_learned(spec, out, summary) -> None:
+    """What a learning run of a rounds algorithm (ROUNDS + ROUNDS_LEARNING) must show in ``out``:
+    every round sampled, kept the right records, trained and synced, and the greedy answers to
+    the prompts the rounds sampled improved."""
+    algorithm = spec.algorithm
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
     prompts = read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
     answers = {r["prompt"]: r["answer"] for r in prompts}
     for rnd in (1, 2, 3):
-        data = read_records(tmp_path / "run" / "rounds" / f"{rnd}.jsonl", ("prompt",))
+        data = read_records(out / "rounds" / f"{rnd}.jsonl", ("prompt",))
         assert rows[rnd]["round/records"] == len(data) > 0
         for rec in data:  # the integer verifier scores 1 or 0: kept answers are right, rejected ones wrong
             if algorithm == "rejection_sampling":
@@ -115,14 +128,14 @@ def test_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path, algori
                 assert not is_correct(rec["rejected"], answers[rec["prompt"]])
         # both losses are positive: a mean NLL, a mean -log sigmoid
         assert rows[rnd]["sync/version"] == rnd and 0 < rows[rnd]["loss"] < math.inf
-    assert summary["final"]["round"] == 3 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert summary["final"]["round"] == 3 and (out / "final" / "model.safetensors").is_file()
     # the rounds taught the task they were rewarded on: greedy answers to the prompts they sampled
     # improved (same prompts, the starting model against the final one)
     prompts = read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
     n = spec.rounds.prompts_per_round
     seen = sorted({i for rnd in range(3) for i in sample_indices(len(prompts), spec.seed, rnd * n, n)})
     before = _greedy_accuracy(initial_model(spec), [prompts[i] for i in seen])
-    after = _greedy_accuracy(tmp_path / "run" / "final", [prompts[i] for i in seen])
+    after = _greedy_accuracy(out / "final", [prompts[i] for i in seen])
     assert after >= before + 0.04, (before, after)
 
 

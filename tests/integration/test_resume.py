@@ -12,9 +12,15 @@ import pytest
 
 from elasticrl.spec import load_spec
 from elasticrl.trainers import run_job
-from tests.conftest import EXAMPLES, stopped_at
+from tests.conftest import EXAMPLES, LEARNING, stopped_at
 from tests.integration.test_preference import BASE as PREFERENCE_BASE
-from tests.integration.test_preference import PREFERENCE, ROUNDS
+from tests.integration.test_preference import (
+    PREFERENCE,
+    ROUNDS,
+    ROUNDS_LEARNING,
+    check_preference_learned,
+    check_rounds_learned,
+)
 from tests.integration.test_rl import BASE as RL_BASE
 from tests.integration.test_rl import PPO
 
@@ -172,26 +178,33 @@ def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_c
     assert all("value_loss" in r for s, r in _rows(resumed).items() if s > 2)
 
 
-def test_dpo_resumes_exactly(ray_cluster, tmp_path):
+def test_dpo_with_a_precomputed_reference_and_packed_pairs_learns_and_resumes_exactly(ray_cluster, tmp_path):
+    """DPO's learning run (test_preference.py's bars, in fp32 whatever the CPU, so the resumed
+    run repeats it bit for bit), checkpointed and evaluated at step 12, resumed from there."""
     spec = load_spec(EXAMPLES / "tiny_dpo.yaml", PREFERENCE_BASE + PREFERENCE + [
-        "train.max_steps=8", "checkpoint.every_steps=4", "eval.every_steps=4", "checkpoint.resume=auto",
-        "log.every_steps=1"])
+        "algorithm=dpo", "preference.reference=precomputed", "data.packing=true", LEARNING[1],
+        "checkpoint.every_steps=12", "eval.every_steps=12", "checkpoint.resume=auto"])
     straight = tmp_path / "straight"
-    run_job(spec, straight)
-    resumed = stopped_at(straight, 4, tmp_path / "resumed")
+    summary = run_job(spec, straight)
+    check_preference_learned(spec, straight, summary)
+    assert "eval/margin" in _rows(straight)[12]
+    resumed = stopped_at(straight, 12, tmp_path / "resumed")
     run_job(spec, resumed)
-    _same_after(straight, resumed, 4)
+    _same_after(straight, resumed, 12)
 
 
-def test_iterative_dpo_resumes_exactly_after_a_round(ray_cluster, tmp_path):
-    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + [
-        "algorithm=iterative_dpo", "checkpoint.every_steps=4", "checkpoint.resume=auto"])
+def test_iterative_dpo_learns_in_rounds_and_resumes_exactly_after_one(ray_cluster, tmp_path):
+    """The rounds' learning run (test_preference.py's bars, in fp32 whatever the CPU, so the
+    resumed run repeats it bit for bit), checkpointed at each round's end, resumed after round 2."""
+    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + ROUNDS_LEARNING + [
+        "algorithm=iterative_dpo", "checkpoint.every_steps=16", "checkpoint.resume=auto", LEARNING[1]])
     straight = tmp_path / "straight"
-    run_job(spec, straight)
-    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_0000008", "step_0000012"]
-    resumed = stopped_at(straight, 8, tmp_path / "resumed")
+    summary = run_job(spec, straight)
+    check_rounds_learned(spec, straight, summary)
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_0000032", "step_0000048"]
+    resumed = stopped_at(straight, 32, tmp_path / "resumed")
     run_job(spec, resumed)
-    _same_after(straight, resumed, 8)
+    _same_after(straight, resumed, 32)
     # the resumed run wrote round 3's data again, the same pairs
     assert (resumed / "rounds" / "3.jsonl").read_text() == (straight / "rounds" / "3.jsonl").read_text()
 
