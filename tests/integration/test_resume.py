@@ -12,7 +12,7 @@ import pytest
 
 from elasticrl.spec import load_spec
 from elasticrl.trainers import run_job
-from tests.conftest import EXAMPLES, LEARNING, stopped_at
+from tests.conftest import EXAMPLES, SEED, stopped_at
 from tests.integration.test_preference import BASE as PREFERENCE_BASE
 from tests.integration.test_preference import (
     PREFERENCE,
@@ -182,7 +182,7 @@ def test_dpo_with_a_precomputed_reference_and_packed_pairs_learns_and_resumes_ex
     """DPO's learning run (test_preference.py's bars, in fp32 whatever the CPU, so the resumed
     run repeats it bit for bit), checkpointed and evaluated at step 12, resumed from there."""
     spec = load_spec(EXAMPLES / "tiny_dpo.yaml", PREFERENCE_BASE + PREFERENCE + [
-        "algorithm=dpo", "preference.reference=precomputed", "data.packing=true", LEARNING[1],
+        "algorithm=dpo", "preference.reference=precomputed", "data.packing=true", SEED,
         "checkpoint.every_steps=12", "eval.every_steps=12", "checkpoint.resume=auto"])
     straight = tmp_path / "straight"
     summary = run_job(spec, straight)
@@ -197,7 +197,7 @@ def test_iterative_dpo_learns_in_rounds_and_resumes_exactly_after_one(ray_cluste
     """The rounds' learning run (test_preference.py's bars, in fp32 whatever the CPU, so the
     resumed run repeats it bit for bit), checkpointed at each round's end, resumed after round 2."""
     spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + ROUNDS_LEARNING + [
-        "algorithm=iterative_dpo", "checkpoint.every_steps=16", "checkpoint.resume=auto", LEARNING[1]])
+        "algorithm=iterative_dpo", "checkpoint.every_steps=16", "checkpoint.resume=auto", SEED])
     straight = tmp_path / "straight"
     summary = run_job(spec, straight)
     check_rounds_learned(spec, straight, summary)
