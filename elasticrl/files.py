@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -170,14 +171,29 @@ def remove_with_processes(folder: str | Path) -> None:
 SHM_ROOT = Path(os.environ.get("ELASTICRL_SHM_DIR", "/dev/shm"))
 
 
+def shm_path(tag: str) -> Path:
+    """A new name in SHM_ROOT for a buffer or folder of this process, which ``remove_stale``
+    removes once the process is gone."""
+    import uuid
+
+    return SHM_ROOT / f"elasticrl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def shm_owner(path: Path) -> int | None:
+    """The PID in a ``shm_path`` name (None for a name elasticrl did not make)."""
+    m = re.fullmatch(r"elasticrl-.+-(\d+)-[0-9a-f]{8}", path.name)
+    return int(m.group(1)) if m else None
+
+
 def remove_stale() -> None:
-    """Unlink buffers whose creating process is gone (a crash cannot free /dev/shm)."""
-    for path in SHM_ROOT.glob("elasticrl-*-*-*"):
-        try:
-            pid = int(path.name.split("-")[-2])
-        except ValueError:
+    """Remove buffers and folders whose creating process is gone (a crash cannot free /dev/shm)."""
+    for path in SHM_ROOT.glob("elasticrl-*"):
+        pid = shm_owner(path)
+        if pid is None or started(pid) is not None:
             continue
-        if started(pid) is None:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
             path.unlink(missing_ok=True)
 
 

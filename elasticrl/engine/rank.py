@@ -107,12 +107,17 @@ class TrainRank:
         """What ``save`` writes, as {relative path: bytes} (rank 0: all but the other ranks' RNG
         files; the others: their RNG file): the in-memory copy that ``fault.memory_copy_steps``
         keeps in the driver. Written through a private folder in memory. Collective."""
-        import tempfile
+        import shutil
 
-        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        with tempfile.TemporaryDirectory(prefix="elasticrl-copy-", dir=shm) as tmp:
+        from elasticrl.files import shm_path
+
+        tmp = shm_path("copy")  # named for this process: a rank killed mid-copy leaves it to remove_stale
+        tmp.mkdir()
+        try:
             self.save(tmp)
-            return {str(f.relative_to(tmp)): f.read_bytes() for f in sorted(Path(tmp).rglob("*")) if f.is_file()}
+            return {str(f.relative_to(tmp)): f.read_bytes() for f in sorted(tmp.rglob("*")) if f.is_file()}
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def export(self, folder: str) -> None:
         ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,

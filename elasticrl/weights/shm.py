@@ -3,13 +3,11 @@ trainer and by every engine process on that node. Nothing is serialised: the tra
 copies raw tensor bytes in, the engine reads them as views."""
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
 import torch
 
-from elasticrl.files import SHM_ROOT, remove_stale
+from elasticrl.files import remove_stale, shm_path
 
 ALIGN = 64  # bytes; keeps every view aligned for vector loads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in messages
@@ -18,7 +16,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def create(nbytes: int, tag: str = "weights") -> tuple[str, torch.Tensor]:
     """A new shared buffer; returns its path (for the other side) and a uint8 view."""
     remove_stale()
-    path = SHM_ROOT / f"elasticrl-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = shm_path(tag)
     with open(path, "wb") as fh:
         fh.truncate(nbytes)
     return str(path), torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrl.files import OWNER_MARK, _processes_naming, sweep_orphans
+from elasticrl.files import OWNER_MARK, _processes_naming, shm_owner, sweep_orphans
 from tests.conftest import EXAMPLES, ROOT
 from tests.integration.faults import logged_step
 from tests.integration.test_launch import _descendants
@@ -95,7 +95,7 @@ def test_a_run_listens_on_localhost_only_and_sigterm_ends_it_leaving_nothing(tmp
     sockets = _listening(run)
     assert len(sockets) >= 10 and {addr for _, addr, _ in sockets} == {"127.0.0.1"}, sockets
     assert 8265 not in {port for _, _, port in sockets}, sockets
-    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if int(p.name.split("-")[-2]) in run]
+    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if shm_owner(p) in run]
     t0 = time.time()
     os.kill(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -116,7 +116,7 @@ def test_what_a_sigkilled_run_left_goes_at_once_and_only_that(tmp_path):
     next run; unmarked folders are never swept."""
     proc, folder = _running(tmp_path, 1)
     run = {proc.pid, *(p for p, _ in _descendants(proc.pid))}
-    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if int(p.name.split("-")[-2]) in run]
+    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if shm_owner(p) in run]
     left = _processes_naming(str(folder))  # Ray's own: GCS, raylet, dashboard and runtime-env agents, ...
     other = tmp_path / "erl-ray-not-mine"  # unmarked: never swept
     other.mkdir()
