@@ -53,7 +53,7 @@ def atomic_folder(final: str | Path, keep_existing: bool = False) -> Iterator[Pa
         yield tmp
         os.chmod(tmp, 0o755)
         if not keep_existing:
-            _replace_folder(tmp, final)
+            replace_folder(tmp, final)
         else:
             try:
                 os.rename(tmp, final)  # fails when another writer's folder is there already
@@ -64,7 +64,7 @@ def atomic_folder(final: str | Path, keep_existing: bool = False) -> Iterator[Pa
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replace_folder(src: Path, final: Path) -> None:
+def replace_folder(src: Path, final: Path) -> None:
     """Rename ``src`` to ``final``; an existing ``final`` is moved aside first, then removed."""
     old = None
     if final.exists():

@@ -67,7 +67,7 @@ def _with_head_dim(head_dim: int) -> str:
     return json.dumps({**config, "head_dim": head_dim})
 
 
-STATE = json.dumps({"format": 2, "step": 2, "spec": {}})
+STATE = json.dumps({"format": 3, "step": 2, "spec": {}})
 INDEX = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
 # (id, setup steps, command line ({tmp} is the case's folder), exit code, what the line must say)
 def _running(tmp: Path) -> None:

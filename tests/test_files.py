@@ -46,11 +46,12 @@ def _checkpoint(tmp_path, spec, extra_files=()):
     (folder / "actor").mkdir(parents=True)
     write_trainer_state(folder, spec, {"step": 4})
     import torch
-    from safetensors.torch import save_file
 
-    save_file({"w": torch.zeros(2)}, folder / "actor" / "model.safetensors")  # a whole role: weights, config, state
+    from elasticrl.engine.state import Held, stage, write_staged
+
+    # a whole role: one rank's pieces and state, a config
+    write_staged(stage(0, [Held("w", (2,), torch.zeros(2), 0, 1)], {"world_size": 1}), folder / "actor")
     (folder / "actor" / "config.json").write_text("{}")
-    (folder / "actor" / "engine_state.json").write_text("{}")
     for name in extra_files:
         (folder / name).write_bytes(b"\x80\x04N.")  # a pickle of None
     return folder

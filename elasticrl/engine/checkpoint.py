@@ -1,29 +1,34 @@
 """Resumable checkpoints and the Hugging Face export of a DeepSpeed engine.
 
-A checkpoint ``step_NNNNNNN/`` holds one folder per trained role (``actor/``, ``critic/``),
-each a Hugging Face folder of the fp32 master weights with the optimizer moments, the
-schedule and each rank's RNG beside them (``engine.state``: rank-unaware, so any world size
-and ZeRO stage resumes it), and ``trainer_state.json``: the step, the data position, what the
-trainer carries between steps, the spec and the code version that wrote it. Only
-safetensors and JSON are written, and a folder holding anything else is refused before
-anything is loaded: nothing is ever unpickled. Every rank writes into a temp folder that the
-driver renames once all are done (``new_checkpoint``), so a crash mid-save leaves no
-checkpoint rather than a broken one, and older ones are pruned only after that.
+A checkpoint ``step_NNNNNNN/`` holds one folder per trained role (``actor/``, ``critic/``):
+each rank's pieces of the fp32 master weights and optimizer moments, the schedule and
+counters, each rank's RNG, the model's config and tokenizer (``engine.state``: any world
+size, ZeRO stage and tensor-parallel size resumes it), and ``trainer_state.json``: the step,
+the data position, what the trainer carries between steps, the spec and the code version
+that wrote it. Only safetensors and JSON are written, and a folder holding anything else is
+refused before anything is loaded: nothing is ever unpickled. Every rank writes into a temp
+folder that the driver renames once all are done (``new_checkpoint``), so a crash mid-save
+leaves no checkpoint rather than a broken one, and older ones are pruned only after that.
+The export (``export_hf``) is written the same way: by every rank, into a folder the driver
+renames.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import elasticrl
-from elasticrl.files import atomic_folder, read_json, write_text
+from elasticrl.files import read_json, replace_folder, write_text
 
-FORMAT = 2  # of what a checkpoint holds; bump when a reader of the old one would misread it
+FORMAT = 3  # of what a checkpoint holds; bump when a reader of the old one would misread it
 CHECKPOINTS = "checkpoints"  # OUTPUT/checkpoints/step_NNNNNNN/
 STATE_FILE = "trainer_state.json"
 RESUMING = "resuming from checkpoint"  # the console line `elasticrl status` looks for
@@ -68,8 +73,8 @@ def resume_from(folder: Path) -> Resume:
 
 
 def _check_roles(folder: Path) -> None:
-    """Each trained role's folder is whole: its engine state, config and weights."""
-    from elasticrl.engine.state import ENGINE_STATE
+    """Each trained role's folder is whole: its engine state, config and every rank's pieces."""
+    from elasticrl.engine.state import ENGINE_STATE, Pieces
     from elasticrl.models.check import check_model_folder
 
     roles = [p for p in sorted(folder.iterdir()) if p.is_dir()]
@@ -81,6 +86,10 @@ def _check_roles(folder: Path) -> None:
             raise ValueError(f"checkpoint.resume: {role} has no {ENGINE_STATE}; the checkpoint is incomplete: resume "
                              "from another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
         check_model_folder(role, "checkpoint.resume", tokenizer=False)
+        try:
+            Pieces(role)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint.resume: {exc}") from None
 
 
 def write_trainer_state(folder: Path, spec, state: dict) -> None:
@@ -152,47 +161,103 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-@contextlib.contextmanager
-def new_checkpoint(root: Path, step: int, keep: int) -> Iterator[Path]:
-    """Yields the temp folder every rank saves into; when the block succeeds it becomes
-    ``step_NNNNNNN`` and the checkpoints older than the newest ``keep`` are removed."""
-    for stale in Path(root).glob(".step_*"):  # a save that a crash interrupted
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """The temp folder the ranks save step ``step``'s checkpoint into (``commit_checkpoint``
+    puts it in place); what an interrupted save left is removed first."""
+    for stale in Path(root).glob(".step_*"):
         shutil.rmtree(stale, ignore_errors=True)
-    with atomic_folder(step_dir(root, step)) as tmp:
-        yield tmp
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix=f".{step_dir(root, step).name}.tmp-"))
+
+
+def commit_checkpoint(tmp: Path, root: Path, step: int, keep: int) -> None:
+    """``tmp`` becomes ``step_NNNNNNN``; the checkpoints older than the newest ``keep`` go."""
+    os.chmod(tmp, 0o755)
+    replace_folder(tmp, step_dir(root, step))
     for _, old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def consolidated_state_dict(engine) -> dict:
-    """Full weights on rank 0 (None elsewhere). Collective: call on every rank."""
-    import torch.distributed as dist
+@contextlib.contextmanager
+def new_checkpoint(root: Path, step: int, keep: int) -> Iterator[Path]:
+    """Yields the temp folder every rank saves into; when the block succeeds it becomes
+    ``step_NNNNNNN`` and the checkpoints older than the newest ``keep`` are removed."""
+    tmp = begin_checkpoint(root, step)
+    try:
+        yield tmp
+        commit_checkpoint(tmp, root, step, keep)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    if engine.zero_optimization_stage() == 3 or engine.autotp_size() > 1:
-        return engine._consolidated_16bit_state_dict()
-    if dist.get_rank() != 0:
-        return None
-    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+def _export_plan(engine, dtype, max_shard_bytes: int) -> tuple[list, list[list[str]], int]:
+    """(name, tensor) of every entry of the model's state dict in order, the files they go
+    into (``plan_shards``) and their total bytes: the same on every rank, from whole shapes."""
+    import torch
+
+    from elasticrl.engine import state
+    from elasticrl.weights.shards import plan_shards
+
+    tensors = dict(engine.module.named_parameters(remove_duplicate=False))
+    tensors.update(engine.module.named_buffers(remove_duplicate=False))
+    sliced = state._tp_slices(engine)
+    entries, sizes = [], []
+    for name in engine.module.state_dict().keys():
+        t = tensors[name]
+        shape = list(getattr(t, "ds_shape", t.shape))
+        if id(t) in sliced:
+            layer, dim = sliced[id(t)]
+            shape[dim] = sum(layer._partition_sizes)
+        entries.append((name, t))
+        sizes.append((name, math.prod(shape) * torch.tensor([], dtype=dtype).element_size()))
+    return entries, plan_shards(sizes, max_shard_bytes), sum(n for _, n in sizes)
 
 
 def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype) -> None:
-    """Write an HF model folder (config, sharded safetensors, tokenizer) atomically.
+    """Write a Hugging Face model folder (config, sharded safetensors and their index,
+    tokenizer) into ``folder``, which the driver made and renames when every rank is done.
 
-    Collective: every rank calls it; rank 0 writes.
-    """
+    The ranks write in parallel: file i of the plan is rank i mod world size's. ZeRO-3 gathers
+    one parameter at a time and AutoTP one layer's slices, for their owner to keep; no rank
+    holds more than its files' tensors. Collective: every rank calls it."""
     import torch.distributed as dist
+    from deepspeed.runtime.zero import GatheredParameters
 
-    from elasticrl.weights.shards import save_sharded
+    from elasticrl.engine import state
+    from elasticrl.weights.shards import INDEX, SINGLE, write_safetensors
 
-    state = consolidated_state_dict(engine)
-    if dist.get_rank() == 0:
-        with atomic_folder(folder) as tmp:
-            state = {k: v.to(dtype) for k, v in state.items()}
-            config = engine.module.config
-            config.dtype = dtype
-            config.save_pretrained(tmp)
-            if getattr(engine.module, "generation_config", None) is not None:
-                engine.module.generation_config.save_pretrained(tmp)
-            save_sharded(state, tmp, max_shard_bytes)
-            tokenizer.save_pretrained(tmp)
-    dist.barrier()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    entries, shards, total = _export_plan(engine, dtype, max_shard_bytes)
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))]
+    file_of = {key: i for i, keys in enumerate(shards) for key in keys}
+    sliced = state._tp_slices(engine)
+    mine: dict[int, list] = {i: [] for i in range(len(shards)) if i % world == rank}
+    for name, t in entries:
+        keep = file_of[name] in mine
+        if hasattr(t, "ds_id"):  # ZeRO-3: every rank takes part in the gather
+            with GatheredParameters([t]):
+                whole = t.data.to(dtype).cpu().clone() if keep else None
+        elif id(t) in sliced:
+            layer, dim = sliced[id(t)]
+            whole = layer._all_gather_shards(t.data.contiguous(), layer._partition_sizes, dim)
+            whole = whole.to(dtype).cpu() if keep else None
+        else:
+            whole = t.detach().to(dtype).cpu() if keep else None
+        if keep:
+            mine[file_of[name]].append((name, whole.contiguous()))
+            if len(mine[file_of[name]]) == len(shards[file_of[name]]):  # the file is whole: write it, let it go
+                write_safetensors(folder / names[file_of[name]], mine.pop(file_of[name]), {"format": "pt"})
+    if rank == 0:
+        config = engine.module.config
+        config.dtype = dtype
+        config.save_pretrained(folder)
+        if getattr(engine.module, "generation_config", None) is not None:
+            engine.module.generation_config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {key: names[i] for i, keys in enumerate(shards) for key in keys}}
+            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -6,6 +6,7 @@ The Ray worker classes of each trainer hold one and add their own step functions
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
@@ -44,7 +45,7 @@ class TrainRank:
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * dp_size)
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
-        model = load(resume or model_path, spec.model.trust_remote_code, cfg)
+        model = load(model_path, spec.model.trust_remote_code, cfg)  # a checkpoint's pieces replace its weights
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr)
@@ -91,22 +92,39 @@ class TrainRank:
         return loss.item()
 
     # --- persistence --------------------------------------------------------------------
-    def save(self, folder: str) -> None:
-        """This role's state into ``folder`` (which exists): a Hugging Face folder of the fp32
-        master weights plus optimizer moments, counters and each rank's RNG. Collective."""
-        import torch.distributed as dist
-
-        state.save_engine(self.engine, folder, self.spec.export.max_shard_size_mb * 2**20)
-        if dist.get_rank() == 0:
+    def save(self, folder: str, background: bool = False) -> int | None:
+        """This rank's share of the role's state into ``folder`` (which exists): its pieces of
+        the fp32 master weights and optimizer moments (``engine.state``) and its RNG; rank 0
+        adds the counters, the model's config and the tokenizer. Returns once the pieces are
+        copied to host memory; ``background`` writes them in a thread (``saved`` waits for it),
+        else they are written from the live tensors now, returning the bytes. Not collective."""
+        if getattr(self, "_writer", None) is not None:
+            self._writer.join()  # the previous save's writes first (their error went to its commit)
+        staged = state.stage_engine(self.engine, copy=background, reuse=getattr(self, "_staging", None))
+        self._staging, rng = staged.buffer, backend.rng_state()
+        if self.rank == 0:
             self.engine.module.config.save_pretrained(folder)
             self.tokenizer.save_pretrained(folder)
-        save_file(backend.rng_state(), str(Path(folder) / f"rng_rank{self.rank}.safetensors"))
-        dist.barrier()
+
+        def write() -> int:  # the pieces last: with them the rank's part is complete
+            save_file(rng, str(Path(folder) / f"rng_rank{self.rank}.safetensors"))
+            return state.write_staged(staged, folder)
+        self._writer = _Writer(write)
+        if not background:
+            return self.saved(wait=True)
+        return None
+
+    def saved(self, wait: bool = True) -> int | None:
+        """Bytes the last save wrote once its writes are done (0 without one); None while they
+        go on and ``wait`` is false. Raises what the writing raised (a full disk)."""
+        writer = getattr(self, "_writer", None)
+        return 0 if writer is None else writer.result(wait)
 
     def snapshot(self) -> dict[str, bytes]:
-        """What ``save`` writes, as {relative path: bytes} (rank 0: all but the other ranks' RNG
-        files; the others: their RNG file): the in-memory copy that ``fault.memory_copy_steps``
-        keeps in the driver. Written through a private folder in memory. Collective."""
+        """What ``save`` writes, as {relative path: bytes} (this rank's pieces and RNG; rank 0's
+        also the counters, config and tokenizer): the in-memory copy that
+        ``fault.memory_copy_steps`` keeps in the driver. Written through a private folder in
+        memory."""
         import shutil
 
         from elasticrl.files import shm_path
@@ -141,3 +159,27 @@ class TrainRank:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+
+
+class _Writer(threading.Thread):
+    """A save's writes, in the background (``TrainRank.save``)."""
+
+    def __init__(self, write):
+        super().__init__(daemon=True, name="elasticrl-checkpoint-writer")
+        self.write, self.written, self.error = write, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.written = self.write()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the result
+            self.error = exc
+        self.write = None  # the staged copy goes with it
+
+    def result(self, wait: bool) -> int | None:
+        if self.is_alive() and not wait:
+            return None
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.written

@@ -1,28 +1,38 @@
-"""A trained model's whole state, rank-unaware and pickle-free: what a checkpoint holds.
+"""A trained model's state, saved by every rank in parallel and loaded at any layout, pickle-free.
 
-Full fp32 master parameters and full optimizer moments by parameter name (safetensors), and
-the optimizer's step count, the LR schedule and the engine's counters (JSON). Any world size,
-ZeRO stage and data-parallel layout saves the same files and loads them, because the
-tensors are whole: DeepSpeed's partitions are gathered on save (``safe_get_full_*``) and cut
-again on load (``safe_set_full_*``); nothing goes through ``torch.load``.
+Each rank writes only what it holds: its ZeRO-3 partitions, or (ZeRO-1/2, bf16) the fragments
+of the fp32 masters and Adam moments its optimizer partition owns, or (no ZeRO wrapper) an
+even share of the replicated tensors; under AutoTP each rank holds a slice of the cut
+parameters (the replicated ones are saved by tensor-parallel rank 0's group). No process
+ever holds a whole fp32 tensor of the model. A piece is a rectangle of a whole tensor's 2-D
+view (rows = its first dimension, columns = the rest): a flat range of a rank's local slice
+is at most three such rectangles. ``pieces-rankNNNNN.safetensors`` holds a rank's pieces,
+with its list of (tensor, rows, columns) as JSON in the file's header; ``engine_state.json``
+(written last) holds the optimizer step, the schedule, the counters and the whole shapes.
 
-Both functions are collective: every rank of the model's process group calls them, in the
-same parameter order (ZeRO-1/2 all-reduce and ZeRO-3 all-gather each tensor).
+Any world size, ZeRO stage and tensor-parallel size loads it: each rank reads, through
+safetensors' slices, only the byte ranges of the pieces that overlap what it holds, and
+nothing goes through ``torch.load``. ``full_state`` (every tensor gathered whole on rank 0)
+is kept only as the reference the tests and ``benchmarks/checkpoint.py`` compare against.
 """
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from elasticrl import parallel
-from elasticrl.weights.shards import save_sharded, shard_files
+from elasticrl import backend, parallel
+from elasticrl.data.records import row_share
+from elasticrl.files import write_text
+from elasticrl.weights.shards import write_safetensors
 
-MOMENTS = "optimizer"           # the shard files' stem for optimizer moments
 ENGINE_STATE = "engine_state.json"
+PIECES = "pieces-rank{:05d}.safetensors"
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -38,96 +48,232 @@ def _wrapped(param) -> bool:
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
-def _full(param, key: str | None, inner) -> torch.Tensor | None:
-    """The whole fp32 parameter (key None) or optimizer state ``key`` of ``param``."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if _wrapped(param):
-        return safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
-    if key is None:  # no wrapper (ZeRO-0, fp32): the module's parameter is the master
-        return param.detach().float()
-    state = inner.state.get(param, {})
-    return state.get(key)
+def _grid(shape) -> tuple[int, int]:
+    """A tensor's 2-D view: (first dimension, the rest)."""
+    shape = tuple(shape)
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
-def full_state(engine) -> tuple[dict, dict]:
-    """(weights, moments) by parameter name, whole: gathered over ZeRO's partitions and
-    AutoTP's slices, on rank 0 (empty elsewhere). Collective."""
-    inner = _inner_optimizer(engine)
-    stepped = any(len(s) for s in inner.state.values())
-    if stepped:
-        _link_states(engine)
+def _rects(start: int, stop: int, cols: int):
+    """The flat range [start, stop) of a (rows, cols) grid as rectangles: (row0, row1, col0,
+    col1, flat start, flat stop), at most three (a partial row, whole rows, a partial row)."""
+    while start < stop:
+        r, c = divmod(start, cols)
+        if c or stop - start < cols:  # a partial row
+            end = min(stop, (r + 1) * cols)
+            yield r, r + 1, c, c + end - start, start, end
+        else:
+            rows = (stop - start) // cols
+            end = start + rows * cols
+            yield r, r + rows, 0, cols, start, end
+        start = end
+
+
+@dataclass
+class Held:
+    """What this rank holds of one whole tensor: ``flat``, elements [start, start + numel) of
+    its local slice's flat view, a (rows, cols) grid placed at (row0, col0) in the whole's."""
+
+    name: str
+    shape: tuple          # the whole tensor's
+    flat: torch.Tensor    # writable view of the rank's elements
+    start: int
+    cols: int             # of the local slice's grid
+    row0: int = 0
+    col0: int = 0
+
+    def rects(self):
+        """(whole rows, whole cols, flat slice of ``flat``) of each rectangle held."""
+        for r0, r1, c0, c1, a, b in _rects(self.start, self.start + self.flat.numel(), self.cols):
+            yield (self.row0 + r0, self.row0 + r1), (self.col0 + c0, self.col0 + c1), slice(a - self.start,
+                                                                                             b - self.start)
+
+
+def _held(engine, saving: bool, moments: bool):
+    """Held pieces of every parameter's fp32 master and (``moments``) Adam moments on this
+    rank. ``saving``: replicated copies appear once (a tensor-parallel peer's and a ZeRO-0
+    data-parallel peer's share); loading, each rank takes everything it holds."""
+    opt, inner = engine.optimizer, _inner_optimizer(engine)
     sliced = _tp_slices(engine)
-    weights, moments = {}, {}
+    tp_rank = parallel.tensor_parallel_rank(engine.autotp_size())
+    dp_rank, dp_size = parallel.data_parallel_info(engine.autotp_size())
     for name, p in engine.module.named_parameters():
-        for key in (None, *(_ADAM_KEYS if stepped else ())):
-            t = _full(p, key, inner)
-            if t is None:
-                continue
-            if id(p) in sliced:
-                layer, dim = sliced[id(p)]
-                t = layer._all_gather_shards(t.to(p.device).contiguous(), layer._partition_sizes, dim)
-            if dist.get_rank() == 0:
-                (weights if key is None else moments)[name if key is None else f"{key}.{name}"] = \
-                    t.detach().cpu().clone()
-    return weights, moments
+        local = tuple(getattr(p, "ds_shape", p.shape))
+        whole, row0, col0 = list(local), 0, 0
+        if id(p) in sliced:
+            layer, dim = sliced[id(p)]
+            offset = sum(layer._partition_sizes[:layer.tp_index])
+            whole[dim] = sum(layer._partition_sizes)
+            row0, col0 = (offset, 0) if dim == 0 else (0, offset)
+        elif saving and tp_rank:
+            continue
+        numel, cols = math.prod(local), _grid(local)[1]
+        for key in (None, *(_ADAM_KEYS if moments else ())):
+            if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition of the flat parameter
+                size = p.partition_numel()
+                start = opt._get_param_partition_rank(p) * size
+                part = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)[0]
+                flat = part[:max(0, min(size, numel - start))]
+            elif hasattr(p, "_hp_mapping"):  # ZeRO-1/2, bf16: the fragment this rank's partition owns
+                if p._hp_mapping is None:
+                    continue
+                start, flat = p._hp_mapping.lp_fragment_address.start, p._hp_mapping.get_hp_fragment(key)
+            else:  # the module's parameter is the master, replicated over data-parallel ranks
+                full = (p.data if key is None else inner.state[p][key]).view(-1)
+                share = row_share(numel, dp_size, dp_rank) if saving else slice(0, numel)
+                start, flat = share.start, full[share]
+            if flat.numel():
+                yield Held(name if key is None else f"{key}.{name}", tuple(whole), flat, start, cols, row0, col0)
 
 
-def save_engine(engine, folder: str | Path, max_shard_bytes: int) -> None:
-    """Write the engine's weights, moments and counters into ``folder`` (rank 0 writes)."""
-    weights, moments = full_state(engine)
-    if dist.get_rank() != 0:
-        return
-    folder = Path(folder)
-    save_sharded(weights, folder, max_shard_bytes)
+def _stepped(engine) -> bool:
+    return any(len(s) for s in _inner_optimizer(engine).state.values())
+
+
+@dataclass
+class Staged:
+    """A rank's pieces copied into one host buffer (pinned on a GPU) at a step's end, to be
+    written while training goes on; rank 0's also carries the engine's counters."""
+
+    rank: int
+    tensors: list          # (key, tensor): views of one host buffer, or of the live tensors
+    metadata: dict
+    engine_state: dict | None
+    buffer: torch.Tensor | None = None  # the host buffer, for the next save to reuse
+
+
+def stage_engine(engine, copy: bool = True, reuse: torch.Tensor | None = None) -> Staged:
+    """What this rank holds of the fp32 masters and moments, copied into host memory (into
+    ``reuse``, the previous save's buffer, when it has the size: its pages are warm), or, not
+    ``copy``, as views of the live tensors, to be written before training goes on. Local: no
+    collective, so ranks stage and go on independently."""
+    moments = _stepped(engine)
     if moments:
-        (folder / MOMENTS).mkdir()
-        save_sharded(moments, folder / MOMENTS, max_shard_bytes)
-    inner = _inner_optimizer(engine)
-    steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
-    sched = engine.lr_scheduler
-    state = {"world_size": dist.get_world_size(), "tp_size": engine.autotp_size(),
-             "optimizer_step": steps[0] if steps else 0.0,
-             "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count,
-                           "last_lr": sched.get_last_lr()},
-             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-             "skipped_steps": engine.skipped_steps}
-    (folder / ENGINE_STATE).write_text(json.dumps(state, indent=2))
+        _link_states(engine)
+    engine_state = None
+    if dist.get_rank() == 0:
+        inner, sched = _inner_optimizer(engine), engine.lr_scheduler
+        steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
+        engine_state = {"world_size": dist.get_world_size(), "tp_size": engine.autotp_size(), "moments": moments,
+                        "optimizer_step": steps[0] if steps else 0.0,
+                        "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count,
+                                      "last_lr": sched.get_last_lr()},
+                        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                        "skipped_steps": engine.skipped_steps}
+    return stage(dist.get_rank(), list(_held(engine, saving=True, moments=moments)), engine_state, copy, reuse)
+
+
+def stage(rank: int, held: list[Held], engine_state: dict | None = None, copy: bool = True,
+          reuse: torch.Tensor | None = None) -> Staged:
+    """``held``'s rectangles copied into one host buffer (pinned on a GPU; ``reuse`` when it
+    has the size), or (not ``copy``) as views of the held tensors, with the list that names them."""
+    pinned = copy and backend.has_gpu()
+    size = sum(h.flat.numel() for h in held) if copy else 0
+    buf = reuse if reuse is not None and reuse.numel() == size else \
+        torch.empty(size, dtype=torch.float32, pin_memory=pinned)
+    tensors, pieces, shapes, used = [], [], {}, 0
+    for h in held:
+        shapes[h.name] = list(h.shape)
+        for rows, cols, part in h.rects():
+            n = part.stop - part.start
+            if copy:
+                buf[used:used + n].copy_(h.flat[part], non_blocking=pinned)
+            piece = buf[used:used + n] if copy else h.flat[part]
+            tensors.append((str(len(pieces)), piece.view(rows[1] - rows[0], cols[1] - cols[0])))
+            pieces.append([h.name, *rows, *cols])
+            used += n
+    if pinned:
+        backend.synchronize()
+    return Staged(rank, tensors, {"pieces": json.dumps(pieces), "shapes": json.dumps(shapes)}, engine_state,
+                  buf if copy else None)
+
+
+def write_staged(staged: Staged, folder: str | Path) -> int:
+    """Write staged pieces into ``folder`` (which exists); returns the bytes written. Each file
+    appears whole or not at all, so the folder is complete once every rank's is there."""
+    folder = Path(folder)
+    written = write_safetensors(folder / PIECES.format(staged.rank), staged.tensors, staged.metadata)
+    if staged.engine_state is not None:
+        write_text(folder / ENGINE_STATE, json.dumps(staged.engine_state, indent=2))
+    return written
+
+
+def save_engine(engine, folder: str | Path) -> int:
+    """This rank's share of the engine's state into ``folder``, now (no staging copy)."""
+    return write_staged(stage_engine(engine, copy=False), folder)
+
+
+class Pieces:
+    """The pieces of a saved folder, read by byte range: ``fill`` copies into a held range."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        world = json.loads((folder / ENGINE_STATE).read_text()).get("world_size")
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"{folder / ENGINE_STATE}: no world_size; the checkpoint is damaged: resume from "
+                             "another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
+        self.files, self.shapes, self.where = [], {}, {}
+        for rank in range(world):
+            path = folder / PIECES.format(rank)
+            if not path.is_file():
+                raise ValueError(f"{folder}: {path.name} is missing; the checkpoint is incomplete: resume from "
+                                 "another (checkpoint.resume: PATH) or start fresh (checkpoint.resume: null)")
+            f = safe_open(str(path), framework="pt")
+            self.files.append(f)
+            meta = f.metadata()
+            self.shapes.update(json.loads(meta["shapes"]))
+            for i, (name, r0, r1, c0, c1) in enumerate(json.loads(meta["pieces"])):
+                self.where.setdefault(name, []).append((f, str(i), r0, r1, c0, c1))
+        self.folder = folder
+
+    def fill(self, held: Held) -> None:
+        if held.name not in self.where:
+            raise ValueError(f"{self.folder}: the checkpoint has no {held.name!r}; it was written for another model")
+        if list(held.shape) != self.shapes[held.name]:
+            raise ValueError(f"{self.folder}: {held.name!r} is {self.shapes[held.name]} in the checkpoint and "
+                             f"{list(held.shape)} in the model; it was written for another model")
+        for (r0, r1), (c0, c1), part in held.rects():
+            dst, got = held.flat[part].view(r1 - r0, c1 - c0), 0
+            for f, key, pr0, pr1, pc0, pc1 in self.where[held.name]:
+                a, b, c, d = max(r0, pr0), min(r1, pr1), max(c0, pc0), min(c1, pc1)
+                if a < b and c < d:
+                    dst[a - r0:b - r0, c - c0:d - c0] = f.get_slice(key)[a - pr0:b - pr0, c - pc0:d - pc0]
+                    got += (b - a) * (d - c)
+            if got != dst.numel():
+                raise ValueError(f"{self.folder}: the pieces of {held.name!r} do not cover it; the checkpoint is "
+                                 "damaged: resume from another or start fresh (checkpoint.resume: null)")
+
+    def whole(self, name: str) -> torch.Tensor:
+        """One tensor whole (tests, tools; a training rank never calls it)."""
+        shape = self.shapes[name]
+        out = torch.empty(_grid(shape), dtype=torch.float32)
+        self.fill(Held(name, tuple(shape), out.view(-1), 0, out.shape[1]))
+        return out.view(shape)
+
+
+def whole_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every saved tensor whole, by name (``exp_avg.NAME`` for a moment): for tests and tools."""
+    pieces = Pieces(folder)
+    return {name: pieces.whole(name) for name in sorted(pieces.shapes)}
 
 
 def load_engine(engine, folder: str | Path) -> None:
-    """Restore what ``save_engine`` wrote into a freshly built engine (of any world size)."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+    """Restore what ``save_engine`` wrote into a freshly built engine (of any layout): each rank
+    reads the byte ranges it holds, then the 16-bit weights follow the masters."""
     folder = Path(folder)
     state = json.loads((folder / ENGINE_STATE).read_text())
-    weights = _reader(folder)
-    moments = _reader(folder / MOMENTS) if (folder / MOMENTS).is_dir() else None
     inner = _inner_optimizer(engine)
-    if moments is not None:
+    if state["moments"]:
         _init_adam_states(engine, inner, state["optimizer_step"])
-    sliced = _tp_slices(engine)
-
-    def mine(p, full: torch.Tensor) -> torch.Tensor:  # this rank's AutoTP slice of a whole tensor
-        if id(p) in sliced:
-            layer, dim = sliced[id(p)]
-            full = full.split(layer._partition_sizes, dim=dim)[layer.tp_index]
-        return full.to(p.device).contiguous()
-
-    for name, p in engine.module.named_parameters():
-        full = mine(p, weights(name))
-        if _wrapped(p):
-            safe_set_full_fp32_param(p, full)
-        else:
-            p.data.copy_(full)
-        if moments is None:
-            continue
-        for key in _ADAM_KEYS:
-            value = mine(p, moments(f"{key}.{name}"))
-            if _wrapped(p):
-                safe_set_full_optimizer_state(p, value, key)
-            else:
-                inner.state[p][key].copy_(value)
+    pieces = Pieces(folder)
+    with torch.no_grad():
+        for held in _held(engine, saving=False, moments=state["moments"]):
+            pieces.fill(held)
+        if hasattr(engine.optimizer, "update_lp_params"):  # ZeRO-1/2, bf16: gather the masters into the weights
+            engine.optimizer.update_lp_params()
+        for p in engine.module.parameters():
+            if hasattr(p, "ds_id"):  # ZeRO-3: this rank's weight partition from its master
+                p.ds_tensor.data.copy_(engine.optimizer._get_fp32_opt_state_partition(p, False)[0])
     sched = engine.lr_scheduler
     sched.last_epoch = state["scheduler"]["last_epoch"]
     sched._step_count = state["scheduler"]["step_count"]
@@ -138,6 +284,32 @@ def load_engine(engine, folder: str | Path) -> None:
     engine.skipped_steps = state["skipped_steps"]
 
 
+def full_state(engine) -> tuple[dict, dict]:
+    """(weights, moments) by parameter name, gathered whole on rank 0 (empty elsewhere): the old
+    gather-to-one-process layout, kept as the tests' and the benchmark's reference. Collective."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    inner = _inner_optimizer(engine)
+    stepped = _stepped(engine)
+    if stepped:
+        _link_states(engine)
+    sliced = _tp_slices(engine)
+    weights, moments = {}, {}
+    for name, p in engine.module.named_parameters():
+        for key in (None, *(_ADAM_KEYS if stepped else ())):
+            if _wrapped(p):
+                t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+            else:
+                t = p.detach().float() if key is None else inner.state[p][key]
+            if id(p) in sliced:
+                layer, dim = sliced[id(p)]
+                t = layer._all_gather_shards(t.to(p.device).contiguous(), layer._partition_sizes, dim)
+            if dist.get_rank() == 0:
+                (weights if key is None else moments)[name if key is None else f"{key}.{name}"] = \
+                    t.detach().cpu().clone()
+    return weights, moments
+
+
 def _tp_slices(engine) -> dict[int, tuple]:
     """id(parameter) -> (its AutoTP layer, the dimension AutoTP cut it along), for the
     parameters each tensor-parallel rank holds a slice of (none without AutoTP)."""
@@ -146,6 +318,10 @@ def _tp_slices(engine) -> dict[int, tuple]:
         if dim is None:  # fused projections (q, k and v in one weight) slice each part
             raise NotImplementedError(f"checkpoints of AutoTP-sliced fused parameters ({type(module).__name__}) "
                                       "are not supported yet; checkpoint at train.tp_size: 1")
+    for p in engine.module.parameters():
+        if id(p) in cuts and cuts[id(p)][1] == 1 and p.dim() != 2:
+            raise NotImplementedError(f"checkpoints of a {p.dim()}-D parameter AutoTP cut along dimension 1 are "
+                                      "not supported; checkpoint at train.tp_size: 1")
     return cuts
 
 
@@ -177,19 +353,3 @@ def _link_states(engine) -> None:
     if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
-
-
-def _reader(folder: Path):
-    """name -> tensor from a folder's safetensors shards."""
-    index = {}
-    for path in shard_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                index[name] = path
-
-    def get(name: str) -> torch.Tensor:
-        if name not in index:
-            raise ValueError(f"{folder}: the checkpoint has no {name!r}; it was written for another model")
-        with safe_open(str(index[name]), framework="pt") as f:
-            return f.get_tensor(name)
-    return get

@@ -51,6 +51,13 @@ def model_states(params: float, n: int, zero_stage: int, offload_optimizer: bool
     return {**gpu, "host": host}
 
 
+def state_copies(checkpoint_background: bool, memory_copy: bool) -> int:
+    """Copies of a trained role's fp32 state (ADAM_BYTES a parameter: masters and moments) held in
+    host memory besides training: a background checkpoint's staging buffers (each rank's
+    pieces until written) and the in-memory copy's keepers (each rank's pieces, on a peer)."""
+    return int(checkpoint_background) + int(memory_copy)
+
+
 def zero3_working_set(arch: Arch) -> float:
     """Stage 3 gathers a layer's full parameters before using it and prefetches the next."""
     return HALF * min(LIVE_PARAMS, 2 * arch.layer_params())

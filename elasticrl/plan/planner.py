@@ -17,7 +17,16 @@ import math
 from dataclasses import dataclass, field
 
 from elasticrl.plan.arch import Arch, arch_of
-from elasticrl.plan.memory import GB, TrainConfig, engine_need, engine_role, frozen_role, trained_role
+from elasticrl.plan.memory import (
+    ADAM_BYTES,
+    GB,
+    TrainConfig,
+    engine_need,
+    engine_role,
+    frozen_role,
+    state_copies,
+    trained_role,
+)
 from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
 from elasticrl.spec.algorithms import ALGORITHMS
 from elasticrl.spec.schema import JobSpec
@@ -292,6 +301,9 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
             return None
         group_info[name] = {"roles": members, "peak": peak, "phase": phase}
     host = sum(m["host"] * ranks[r] * (job.reward_models if r == "reward" else 1) for r, m in mem.items())
+    ck, fault = job.spec.checkpoint, job.spec.fault
+    host += state_copies(bool(ck.every_steps and ck.background), bool(fault.memory_copy_steps)) * ADAM_BYTES * sum(
+        a.params(head) for role, head in job.roles.items() if role in ("actor", "critic"))
     if inv.host_mem_gb is not None and host > inv.host_mem_gb * GB * inv.nodes:
         return None
     settings = _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util)

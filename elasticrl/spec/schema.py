@@ -381,6 +381,9 @@ class CheckpointSpec:
     resume: Optional[str] = doc(
         "'auto' resumes from the newest checkpoint in the output folder, a path resumes from "
         "that checkpoint, null starts fresh.", "auto")
+    background: bool = doc("Write checkpoints in the background: a step that checkpoints waits only while each rank "
+                           "copies its pieces to host memory; the next checkpoint waits for the previous one's "
+                           "writes. false: each checkpoint is written before training goes on.", True)
 
 
 @dataclass
@@ -393,10 +396,11 @@ class FaultSpec:
                              "so far, plus fault.min_deadline_s, is taken for a hang.", 5.0, min=1)
     min_deadline_s: float = doc("Seconds added to every watchdog deadline (scheduling noise).", 10.0, min=0,
                                 exclusive_min=True)
-    memory_copy_steps: int = doc("Every this many steps the driver keeps a copy of the actor's and critic's state in "
-                                 "its memory (what a checkpoint holds, as bytes); a recovery starts from the newest "
-                                 "of it and the checkpoints, so fewer steps are redone. Costs a checkpoint's size of "
-                                 "driver memory and its gather time each time. 0: off.", 0, min=0)
+    memory_copy_steps: int = doc("Every this many steps each actor and critic rank hands a copy of its state (its "
+                                 "checkpoint pieces) to a keeper process on the node of its next rank on another "
+                                 "node (on one node, a process of its own); a recovery starts from the newest of it "
+                                 "and the checkpoints, so fewer steps are redone. Costs a checkpoint's size of host "
+                                 "memory across the keepers and each rank's copy time. 0: off.", 0, min=0)
     place_timeout_s: float = doc("Seconds a re-formed actor or critic waits for its ranks to be placed before it "
                                  "re-forms on fewer (as many as the live nodes hold, keeping the global batch "
                                  "through gradient accumulation); a node that died is seen at once.", 60.0, min=1)

@@ -18,7 +18,7 @@ from elasticrl.backend import environment
 from elasticrl.data.records import read_records
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import list_checkpoints
-from elasticrl.files import disk_problem, write_text
+from elasticrl.files import atomic_folder, disk_problem, write_text
 from elasticrl.spec import JobSpec, SpecError, dump_spec, load_spec, read_raw, spec_to_dict
 from elasticrl.world import world_paths
 
@@ -98,12 +98,20 @@ def _wandb_run(output: Path, spec: JobSpec, about: dict):
                       name=output.name, config=about)
 
 
-def finish_run(group, spec: JobSpec, output: Path, summary: dict, row: dict, progress, metrics) -> dict:
-    """Close the console and the metrics, export the final model, complete the summary."""
+def finish_run(group, spec: JobSpec, output: Path, summary: dict, row: dict, progress, metrics,
+               checkpoints: Checkpoints) -> dict:
+    """Commit the last checkpoint, close the console and the metrics, export the final model,
+    complete the summary."""
+    checkpoints.commit()
+    if checkpoints.done:
+        summary["checkpoints"] = {"count": len(checkpoints.done), **{
+            f"{k}_mean": round(sum(c[k] for c in checkpoints.done) / len(checkpoints.done), 3)
+            for k in ("seconds_blocking", "seconds_total")}, "gbytes": checkpoints.done[-1]["gbytes"]}
     progress.close()
     metrics.close()
     if spec.export.enabled:
-        group.call("export", str(output / "final"))
+        with atomic_folder(output / "final") as tmp:  # every rank writes its files into it
+            group.call("export", str(tmp))
         summary["export"] = str(output / "final")
     summary["final"] = row
     return summary
@@ -292,34 +300,133 @@ class Progress:
         self.bar.close()
 
 
-def save_checkpoint(groups: dict, spec: JobSpec, output: Path, step: int, state: dict | None = None) -> None:
-    """A checkpoint of step ``step``: each trained role's group (role -> RoleGroup) saves into
-    its folder (or role -> an in-memory copy, {relative path: bytes}, is written there), and
-    ``state`` (what the trainer carries between steps, its data position: the global index of
-    the next sample; for the trainers on a fixed dataset step x batch) joins the step in
-    trainer_state.json."""
-    state = state or {"samples_seen": step * spec.train.global_batch_size}
-    root = output / ckpt.CHECKPOINTS
-    try:
-        with ckpt.new_checkpoint(root, step, spec.checkpoint.keep) as tmp:
-            for role, group in groups.items():
-                (tmp / role).mkdir()
-                if isinstance(group, dict):
-                    for name, data in group.items():
-                        (tmp / role / name).parent.mkdir(parents=True, exist_ok=True)
-                        (tmp / role / name).write_bytes(data)
-                else:
-                    group.call("save", str(tmp / role))
-            ckpt.write_trainer_state(tmp, spec, {"step": step, **state})
-    except Exception as exc:
-        problem = disk_problem(exc)
-        if problem is None:
+class Checkpoints:
+    """A run's checkpoints. ``save`` returns once every rank has staged its pieces in host memory
+    (``checkpoint/seconds_blocking``); with ``checkpoint.background`` the ranks write them while
+    training goes on, and the checkpoint is committed (its temp folder renamed into place, older
+    ones pruned: ``checkpoint/seconds_total``) once all are done: at a ``poll`` that finds them
+    done, before the next save, and at the end. A crash before the commit leaves the previous
+    checkpoint as it was, and a full disk is one line naming the fix."""
+
+    def __init__(self, spec: JobSpec, output: Path, asked: JobSpec | None = None):
+        self.spec, self.asked, self.root = spec, asked or spec, output / ckpt.CHECKPOINTS
+        self.pending: tuple | None = None  # (step, temp folder, {role: group}, t0, seconds blocking)
+        self.done: list[dict] = []        # each committed checkpoint's figures
+        self.reported = 0
+
+    def save(self, groups: dict, step: int, state: dict | None = None) -> None:
+        """A checkpoint of step ``step``: each trained role's group (role -> RoleGroup) saves
+        into its folder, and ``state`` (what the trainer carries between steps, its data
+        position: the global index of the next sample; for the trainers on a fixed dataset
+        step x batch) joins the step in trainer_state.json."""
+        self.commit()  # the previous one first
+        state = state or {"samples_seen": step * self.spec.train.global_batch_size}
+        background = self.spec.checkpoint.background
+        t0, tmp = time.time(), None
+        with self._disk(step):
+            tmp = ckpt.begin_checkpoint(self.root, step)
+            try:
+                for role, group in groups.items():
+                    (tmp / role).mkdir()
+                    group.call("save", str(tmp / role), background)
+                ckpt.write_trainer_state(tmp, self.asked, {"step": step, **state})
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        self.pending = (step, tmp, groups, t0, time.time() - t0)
+        if not background:
+            self.commit()
+
+    def poll(self) -> None:
+        """Commit the pending checkpoint if every rank has written its part."""
+        if self.pending is None:
+            return
+        try:
+            with self._disk(self.pending[0]):
+                done = all(n is not None for g in self.pending[2].values() for n in g.call("saved", False))
+        except BaseException:
+            self.abandon()
             raise
-        found = list_checkpoints(root)
-        kept = f"; the newest checkpoint, {found[-1][1]}, is intact" if found else ""
-        fewer = " or keep fewer checkpoints (checkpoint.keep)" if "space" in problem[1] else ""
-        raise RuntimeError(f"checkpoint: cannot write step {step} into {root}: {problem[0]}; {problem[1]}"
-                           f"{fewer}{kept}") from exc
+        if done:
+            self.commit()
+
+    def commit(self) -> None:
+        """Wait for the pending checkpoint's writes, then put it in place."""
+        if self.pending is None:
+            return
+        step, tmp, groups, t0, blocking = self.pending
+        self.pending = None
+        try:
+            with self._disk(step):
+                written = sum(sum(g.call("saved", True)) for g in groups.values())
+                ckpt.commit_checkpoint(tmp, self.root, step, self.spec.checkpoint.keep)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._record(step, t0, blocking, written)
+
+    def salvage(self) -> None:
+        """After a rank was lost: commit the pending checkpoint if every rank's files are there
+        (each appears whole, so their presence says the writes are done), else drop it. The
+        ranks are not asked: the lost one cannot answer and its peers may wait on it."""
+        if self.pending is None:
+            return
+        from elasticrl.engine.state import Pieces
+
+        step, tmp, groups, t0, blocking = self.pending
+        try:
+            for role in groups:
+                Pieces(tmp / role)
+        except (ValueError, OSError):
+            return self.abandon()
+        self.pending = None
+        written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        ckpt.commit_checkpoint(tmp, self.root, step, self.spec.checkpoint.keep)
+        self._record(step, t0, blocking, written)
+
+    def _record(self, step: int, t0: float, blocking: float, written: int) -> None:
+        self.done.append({"step": step, "seconds_blocking": round(blocking, 3),
+                          "seconds_total": round(time.time() - t0, 3), "gbytes": round(written / 1e9, 4)})
+
+    def adopt(self, step: int, state: dict, fill) -> bool:
+        """A checkpoint of step ``step`` whose role folders ``fill(temp folder)`` writes (the
+        in-memory copy), with ``state`` as ``save``'s; when ``fill`` finds it incomplete
+        (returns False) nothing is left and False is returned."""
+        tmp = ckpt.begin_checkpoint(self.root, step)
+        try:
+            if not fill(tmp):
+                return False
+            ckpt.write_trainer_state(tmp, self.asked, {"step": step, **state})
+            ckpt.commit_checkpoint(tmp, self.root, step, self.spec.checkpoint.keep)
+            return True
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """Drop the pending checkpoint (a rank that was writing it is gone)."""
+        if self.pending is not None:
+            shutil.rmtree(self.pending[1], ignore_errors=True)
+            self.pending = None
+
+    def figures(self) -> dict:
+        """The newest committed checkpoint's figures, once, for the next metrics row."""
+        if len(self.done) == self.reported:
+            return {}
+        self.reported = len(self.done)
+        return {f"checkpoint/{k}": v for k, v in self.done[-1].items() if k != "step"}
+
+    @contextlib.contextmanager
+    def _disk(self, step: int):
+        try:
+            yield
+        except Exception as exc:
+            problem = disk_problem(exc)
+            if problem is None:
+                raise
+            found = list_checkpoints(self.root)
+            kept = f"; the newest checkpoint, {found[-1][1]}, is intact" if found else ""
+            fewer = " or keep fewer checkpoints (checkpoint.keep)" if "space" in problem[1] else ""
+            raise RuntimeError(f"checkpoint: cannot write step {step} into {self.root}: {problem[0]}; "
+                               f"{problem[1]}{fewer}{kept}") from exc
 
 
 def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evaluate, show: str,
@@ -332,6 +439,7 @@ def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evalu
     metrics = MetricsLog(output, spec, resume_step=start or None)
     progress = Progress(total, start, spec.log.progress_bar, desc=spec.algorithm)
     when = Cadence(spec, total)
+    checkpoints = Checkpoints(spec, output)
     summary: dict = {}
     if not start and when.evaluate_start():
         summary["initial"] = evaluate()
@@ -346,9 +454,11 @@ def offline_loop(spec: JobSpec, group, output: Path, total: int, step_row, evalu
         evaluated = when.evaluate(done)
         if evaluated:
             row.update(evaluate())
+        checkpoints.poll()
+        row.update(checkpoints.figures())
         if when.log(done, evaluated):
             metrics.write(row)
         if when.checkpoint(done):
-            save_checkpoint({"actor": group}, spec, output, done)
+            checkpoints.save({"actor": group}, done)
         progress.update(loss=row["loss"], **({show: row[f"eval/{show}"]} if evaluated and show else {}))
-    return finish_run(group, spec, output, summary, row, progress, metrics)
+    return finish_run(group, spec, output, summary, row, progress, metrics, checkpoints)

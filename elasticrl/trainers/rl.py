@@ -44,6 +44,7 @@ from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.batch import Experience, behaviour_logprobs, gather_rows, pack
 from elasticrl.trainers.evaluate import evaluate_answers
 from elasticrl.trainers.loop import (
+    Checkpoints,
     MetricsLog,
     Progress,
     asked_engines,
@@ -59,7 +60,6 @@ from elasticrl.trainers.rl_run import (
     Roles,
     Run,
     driver_state,
-    merged,
     recover,
     resume_state,
     save,
@@ -130,7 +130,10 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
             evals_used = range(min(len(evals), spec.eval.num_prompts or len(evals)))
             run = Run(spec, roles, rewards, tok, prompts, prompt_ids, evals, [eval_ids[i] for i in evals_used], output,
                       asked, scale_seen=started)
-            summary.update(_train_run(run, resume))
+            try:
+                summary.update(_train_run(run, resume))
+            finally:
+                run.copies.shutdown()
         finally:
             roles.shutdown()
     return summary
@@ -162,6 +165,7 @@ def _train_run(run: Run, resume: Resume) -> dict:
     if resume.folder:
         roles.pool.sync(run.version)
     run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume.folder else None)
+    run.checkpoints = Checkpoints(spec, run.output, run.asked)
     summary: dict = {"transport": transport}
     if start == 0 and run.cadence.evaluate_start():
         summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals,
@@ -182,16 +186,12 @@ def _train_run(run: Run, resume: Resume) -> dict:
         except RoleError as exc:
             step = recover(run, exc, step)
     roles.pool.detach()
-    summary = finish_run(roles.actor, spec, run.output, summary, row, run.progress, run.metrics)
+    summary = finish_run(roles.actor, spec, run.output, summary, row, run.progress, run.metrics, run.checkpoints)
     total = sum(run.totals.values()) or 1.0
     summary["time_share"] = {k: round(v / total, 3) for k, v in run.totals.items()}
     summary["final"] = {k: v for k, v in row.items() if not k.startswith("time/")}
     if run.recoveries:
         summary["recoveries"] = run.recoveries
-    if run.checkpoints:
-        seconds, sizes = zip(*run.checkpoints)
-        summary["checkpoints"] = {"count": len(sizes), "seconds_mean": round(sum(seconds) / len(seconds), 3),
-                                  "mbytes": round(sizes[-1] / 1e6, 1)}
     return summary
 
 
@@ -467,14 +467,18 @@ def report(run: Run, s: Step) -> dict:
            **{f"time/{k}": s.seconds[k] for k in PHASES},
            "time/step": sum(s.seconds.values()), "rollout/tokens_per_s": s.generated / max(s.seconds["rollout"], 1e-9)}
     copy = spec.fault.memory_copy_steps
-    if copy and done % copy == 0 and not run.cadence.checkpoint(done):  # before the row: it has it
-        run.copy = (done, {role: merged(g.call("snapshot")) for role, g in trained_groups(run.roles).items()},
-                    driver_state(run, done))
+    if copy and done % copy == 0 and not run.cadence.checkpoint(done):
+        t0 = time.time()
+        run.copies.take(trained_groups(run.roles), done, driver_state(run, done))
+        row["fault/seconds_copying"] = time.time() - t0
     evaluated = run.cadence.evaluate(done)
     if evaluated:
         row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals, run.rewards.verify))
+    run.checkpoints.poll()
+    row.update(run.checkpoints.figures())
     if run.cadence.log(done, evaluated):
         run.metrics.write(row)
+    run.copies.confirm()  # a recovery from the copy finds its step's row written
     if run.cadence.checkpoint(done):
         save(run, done)
     run.progress.update(reward=row.get("reward/mean", 0.0),

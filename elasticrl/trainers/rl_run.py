@@ -22,7 +22,8 @@ from elasticrl.plan.planner import fewer_ranks
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool
 from elasticrl.spec import JobSpec, spec_to_dict
-from elasticrl.trainers.loop import Cadence, MetricsLog, Progress, save_checkpoint
+from elasticrl.trainers.copies import PeerCopies
+from elasticrl.trainers.loop import Cadence, Checkpoints, MetricsLog, Progress
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
 
 log = logging.getLogger(__name__)
@@ -161,13 +162,13 @@ class Run:
     drawn: int = 0                                   # prompts drawn so far: the data position
     pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    checkpoints: list = field(default_factory=list)  # (seconds, bytes) of each checkpoint written
+    checkpoints: Checkpoints | None = None           # the run's checkpoints (set once the metrics are)
     saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
     restarts: int = 0                                # times the trained roles were re-formed (L3)
     recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
     scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
-    copy: tuple | None = None                        # (step, {role: files}, driver state): fault.memory_copy_steps
+    copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
 
     @property
     def cadence(self) -> Cadence:
@@ -207,12 +208,14 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     t0 = time.time()
     run.restarts += 1
     run.pending.clear()  # rolled out ahead on weights the restored roles never had
+    run.checkpoints.salvage()  # a checkpoint the ranks were writing is one if they all finished it
     found = list_checkpoints(run.output / ckpt.CHECKPOINTS)
     source = "the newest checkpoint" if found else "the start"
-    if run.copy and (not found or run.copy[0] > found[-1][0]):  # the in-memory copy is newer: it becomes one
-        copied, files, state = run.copy
-        save_checkpoint(files, run.asked, run.output, copied, state)
-        found, source, run.copy = list_checkpoints(run.output / ckpt.CHECKPOINTS), "the in-memory copy", None
+    copies = run.copies
+    if copies.step is not None and (not found or copies.step > found[-1][0]):  # newer: it becomes a checkpoint
+        if run.checkpoints.adopt(copies.step, copies.state, copies.write):
+            found, source = list_checkpoints(run.output / ckpt.CHECKPOINTS), "the in-memory copy"
+        copies.drop()
     resume = ckpt.resume_from(found[-1][1]) if found else Resume()
     roles.form_trained(resume, elastic=True)
     if resume.folder is None:
@@ -246,14 +249,6 @@ def driver_state(run: Run, step: int) -> dict:
             "reward_moments": [m.mean, m.var, m.count]}
 
 
-def merged(per_rank: list[dict]) -> dict:
-    return {name: data for files in per_rank for name, data in files.items()}
-
-
 def save(run: Run, step: int) -> None:
-    t0 = time.time()
-    save_checkpoint(trained_groups(run.roles), run.asked, run.output, step, driver_state(run, step))
-    run.copy = None  # the checkpoint is as new
-    folder = ckpt.step_dir(run.output / ckpt.CHECKPOINTS, step)
-    run.checkpoints.append((time.time() - t0, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())))
-    run.saved_at = time.time()
+    run.checkpoints.save(trained_groups(run.roles), step, driver_state(run, step))
+    run.saved_at = time.time()  # the copy stays until the checkpoint is committed (recover takes the newer)

@@ -34,6 +34,7 @@ from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.trainers.evaluate import evaluate_answers
 from elasticrl.trainers.loop import (
     Cadence,
+    Checkpoints,
     MetricsLog,
     Progress,
     check_user_files,
@@ -41,7 +42,6 @@ from elasticrl.trainers.loop import (
     find_resume,
     finish_run,
     prepare_output,
-    save_checkpoint,
 )
 from elasticrl.trainers.preference import PreferenceWorker
 from elasticrl.trainers.sft import SFTWorker
@@ -116,6 +116,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
     eval_ids = [encode(e[d.prompt_key]) for e in evals[: spec.eval.num_prompts or None]]
     start, version = state["round"], state["version"]
     metrics = MetricsLog(output, spec, resume_step=start * r.steps_per_round if start else None)
+    checkpoints = Checkpoints(spec, output)
     summary: dict = {}
     if not start and spec.eval.enabled:
         summary["initial"] = {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals, rewards.verify)}
@@ -156,13 +157,14 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
             row.update(pool.sync(version))
         if spec.eval.enabled:
             row.update(evaluate_answers(spec, pool, eval_ids, evals, rewards.verify))
-        metrics.write(row)
+        checkpoints.poll()
+        metrics.write({**row, **checkpoints.figures()})
         steps = r.steps_per_round
         if Cadence(spec, r.num_rounds * steps).checkpoint((rnd + 1) * steps, since=rnd * steps):
-            save_checkpoint({"actor": group}, spec, output, (rnd + 1) * steps, {
+            checkpoints.save({"actor": group}, (rnd + 1) * steps, {
                 "prompts_seen": (rnd + 1) * r.prompts_per_round, "round": rnd + 1, "version": version})
         progress.update(records=len(records), acc=row["eval/accuracy"])
-    return finish_run(group, spec, output, summary, row, progress, metrics)
+    return finish_run(group, spec, output, summary, row, progress, metrics, checkpoints)
 
 
 def _train_step(group: RoleGroup, step: int) -> float:

@@ -5,6 +5,7 @@ export, the weight sync into the rollout engines, its threads, and ``placement.o
 A worker (SFT, preference, reward model, actor, critic) adds only its data and its steps."""
 from __future__ import annotations
 
+import ray
 import torch
 
 from elasticrl import backend
@@ -33,8 +34,15 @@ class RankWorker:
         return {"dtype": self.core.dtype}
 
     def threads(self): return torch.get_num_threads()
-    def save(self, folder): self.core.save(folder)
-    def snapshot(self): return self.core.snapshot()
+    def save(self, folder, background=False): return self.core.save(folder, background)
+    def saved(self, wait=True): return self.core.saved(wait)
+    def node_id(self): return ray.get_runtime_context().get_node_id()
+
+    def copy_to(self, keepers: list, role: str, step: int) -> None:
+        """Hand this rank's state of step ``step`` (what ``save`` writes) to its keeper
+        (``trainers.copies``), and return once it holds it."""
+        ray.get(keepers[self.rank].put.remote(role, self.rank, step, self.core.snapshot()))
+
     def export(self, folder): self.core.export(folder)
     def attach_rollout(self, *args): return self.core.attach_rollout(*args)
     def sync_weights(self, version): return self.core.sync_weights(version)

@@ -8,6 +8,7 @@ Nothing here unpickles anything.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -84,3 +85,26 @@ def iter_tensors(folder: str | Path, device: str = "cpu") -> Iterator[tuple[str,
 
 def load_sharded(folder: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(folder))
+
+
+def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """A safetensors file of ``tensors`` written straight from their memory (no serialised copy;
+    views of one buffer allowed; a device tensor comes to the host one at a time), under a temp
+    name renamed when complete; returns the bytes written."""
+    codes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    header, offset = {"__metadata__": metadata}, 0
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # the file appears whole or not at all
+    with open(tmp, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little"))
+        fh.write(head)
+        for _, t in tensors:
+            fh.write(memoryview(t.detach().cpu().contiguous().view(torch.uint8).view(-1).numpy()))
+    os.replace(tmp, path)
+    return 8 + len(head) + offset

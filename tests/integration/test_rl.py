@@ -16,7 +16,7 @@ from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.world.task import is_correct
-from tests.conftest import EXAMPLES, LEARNING
+from tests.conftest import EXAMPLES, SEED
 
 pytestmark = pytest.mark.slow
 
@@ -230,7 +230,7 @@ def test_ppo_with_a_critic_learns_its_prompts(ray_cluster, tmp_path):
     from elasticrl.data.records import read_records
     from elasticrl.world import world_paths
 
-    sets = BASE + PPO_LEARNING + LEARNING
+    sets = BASE + PPO_LEARNING + [SEED]  # fp32 on every CPU: in bf16 the margin was not there (+0.14 at this seed)
     prompts = read_records(world_paths(load_spec(EXAMPLES / "tiny_ppo.yaml", sets).world)["rl_prompts"])[:8]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
                                                     for r in prompts))

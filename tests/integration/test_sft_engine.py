@@ -47,7 +47,7 @@ def _logits(worker, ids):
 def test_export_equals_gathered_weights_and_reloads_with_identical_logits(ray_cluster, tmp_path, stage):
     from transformers import AutoModelForCausalLM
 
-    spec = _spec(f"train.zero_stage={stage}")
+    spec = _spec(f"train.zero_stage={stage}", "export.max_shard_size_mb=1")  # files for both ranks to write
     paths = resolve_paths(spec)
     group = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), paths)
     try:
@@ -59,7 +59,7 @@ def test_export_equals_gathered_weights_and_reloads_with_identical_logits(ray_cl
         group.call("export", str(tmp_path / "step0"))  # ... and the gather returns the full weights
         initial = load_file(f"{paths['model']}/model.safetensors")
         exported = load_sharded(tmp_path / "step0")
-        assert exported.keys() == initial.keys()
+        assert exported.keys() == initial.keys() and len(list((tmp_path / "step0").glob("model-*"))) > 2
         for name, tensor in initial.items():
             assert torch.equal(exported[name], tensor), name
 
@@ -84,10 +84,19 @@ RESUME = ["train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep=3"]
 
 @pytest.fixture(scope="module")
 def straight(ray_cluster, tmp_path_factory):
-    """8 steps of SFT on 2 ranks, ZeRO-2, checkpointed at 4 and 8."""
+    """8 steps of SFT on 2 ranks, ZeRO-2, checkpointed at 4 and 8, in the background: step 4's
+    is committed at a later step's poll (the next, unless its writes take longer), step 8's at
+    the end; each rank wrote its own pieces."""
     out = tmp_path_factory.mktemp("sft") / "straight"
-    run_sft(_spec(*RESUME), out)
+    summary = run_sft(_spec(*RESUME), out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    figures = [r for r in rows if "checkpoint/seconds_total" in r]
+    assert len(figures) == 1 and 5 <= figures[0]["step"] <= 8
+    assert 0 < figures[0]["checkpoint/seconds_blocking"] <= figures[0]["checkpoint/seconds_total"]
+    assert summary["checkpoints"]["count"] == 2 and summary["checkpoints"]["gbytes"] > 0.02
+    assert sorted(p.name for p in (out / "checkpoints" / "step_0000004" / "actor").glob("pieces-*")) == [
+        "pieces-rank00000.safetensors", "pieces-rank00001.safetensors"]
     return out
 
 
@@ -164,7 +173,9 @@ def _whole(worker) -> dict:
 
 
 def _saved(folder) -> dict:
-    return {**load_sharded(folder), **load_sharded(folder / "optimizer")}
+    from elasticrl.engine.state import whole_tensors
+
+    return whole_tensors(folder)
 
 
 def _loaded(spec, folder) -> dict:
@@ -200,8 +211,11 @@ def test_an_autotp_checkpoint_holds_whole_tensors_and_loads_bit_exact_without_tp
     folder = out / "checkpoints" / "step_0000004" / "actor"
     saved = _saved(folder)
     shapes = {k: v.shape for k, v in load_file(f"{resolve_paths(_spec())['model']}/model.safetensors").items()}
-    assert {k: v.shape for k, v in load_sharded(folder).items()} == shapes
+    assert {k: v.shape for k, v in saved.items() if not k.startswith("exp_avg")} == shapes
     assert all(saved[f"exp_avg.{k}"].shape == shape for k, shape in shapes.items())
+    # each rank wrote its own pieces: its half of every cut projection, a share of the rest
+    sizes = [(folder / f"pieces-rank{r:05d}.safetensors").stat().st_size for r in range(2)]
+    assert max(sizes) < 0.6 * sum(sizes), sizes
     loaded = _loaded(_spec(*RESUME, "train.num_ranks=1"), folder)
     assert loaded.keys() == saved.keys()
     assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []

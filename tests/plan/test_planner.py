@@ -162,3 +162,21 @@ def test_fewer_ranks_keeps_the_global_batch_in_whole_micro_batches():
     # the critic takes whole shares: 64 over 7, 6 or 5 ranks does not split, over 4 it does
     s = spec(global_batch_size=64, micro_batch_size=32, num_ranks=1)
     assert (fewer_ranks(s, "critic", 7), fewer_ranks(s, "actor", 7)) == (4, 2)
+
+
+def test_host_memory_counts_the_checkpoints_staging_and_the_in_memory_copy():
+    """7B PPO on 4 x 24 GB: a background checkpoint stages each rank's pieces of the fp32 masters
+    and Adam moments in host memory (12 bytes a parameter of the actor and the critic, summed
+    over their ranks), the in-memory copy's keepers hold as much again; a synchronous one adds
+    nothing."""
+    inv = Inventory(4, 24)
+    base = _plan(EXAMPLES / "ppo_7b.yaml", inv, "checkpoint.every_steps=0")
+    spec = load_spec(read_raw(EXAMPLES / "ppo_7b.yaml"), check_paths=False)
+    trained = sum(arch_of(spec.model.path, spec.world.model_size).params(h) for h in ("lm", "value"))
+    staged = _plan(EXAMPLES / "ppo_7b.yaml", inv, "checkpoint.every_steps=10")
+    both = _plan(EXAMPLES / "ppo_7b.yaml", inv, "checkpoint.every_steps=10", "fault.memory_copy_steps=1")
+    sync = _plan(EXAMPLES / "ppo_7b.yaml", inv, "checkpoint.every_steps=10", "checkpoint.background=false")
+    assert staged.host_bytes - base.host_bytes == pytest.approx(12 * trained)
+    assert both.host_bytes - base.host_bytes == pytest.approx(24 * trained)
+    assert sync.host_bytes == base.host_bytes
+    assert trained / 1e9 > 13  # the actor and the critic: two 7B models, so 160 GB of staging
