@@ -63,7 +63,7 @@ def _gathered_load(worker, folder: str) -> None:
     from elasticrl.weights.shards import iter_tensors
 
     engine = worker.core.engine
-    state._init_adam_states(engine, state._inner_optimizer(engine), 1.0)
+    state.init_adam_states(engine, 1.0)
     params = dict(engine.module.named_parameters())
     for name, t in iter_tensors(folder):
         key, _, pname = name.partition(".") if name.startswith("exp_avg") else (None, "", name)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticrl.engine.checkpoint import list_checkpoints, new_checkpoint, write_trainer_state
+from elasticrl.engine.checkpoint import begin_checkpoint, commit_checkpoint, list_checkpoints, write_trainer_state
 from elasticrl.files import atomic_folder
 from elasticrl.spec import load_spec
 
@@ -26,18 +26,20 @@ def test_atomic_folder_leaves_nothing_on_failure(tmp_path):
 
 def test_checkpoints_commit_atomically_and_rotate(tmp_path):
     for step in (2, 4, 6):
-        with new_checkpoint(tmp_path, step, keep=2) as tmp:
-            write_trainer_state(tmp, SPEC, {"step": step})
+        tmp = begin_checkpoint(tmp_path, step)
+        write_trainer_state(tmp, SPEC, {"step": step})
+        commit_checkpoint(tmp, tmp_path, step, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
-    with pytest.raises(RuntimeError):  # a save that never finished is not a checkpoint
-        with new_checkpoint(tmp_path, 8, keep=2) as tmp:
-            write_trainer_state(tmp, SPEC, {"step": 8})
-            raise RuntimeError("a rank died mid-save")
+    half = begin_checkpoint(tmp_path, 8)  # a save that never finished is not a checkpoint
+    write_trainer_state(half, SPEC, {"step": 8})
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000004", "step_0000006"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_0000004",
+                                                                                         "step_0000006"]
     (tmp_path / ".step_0000008.tmp-killed").mkdir()  # what a SIGKILL mid-save leaves: the next save clears it
-    with new_checkpoint(tmp_path, 8, keep=2) as tmp:
-        write_trainer_state(tmp, SPEC, {"step": 8})
+    tmp = begin_checkpoint(tmp_path, 8)
+    assert not half.exists() and not (tmp_path / ".step_0000008.tmp-killed").exists()
+    write_trainer_state(tmp, SPEC, {"step": 8})
+    commit_checkpoint(tmp, tmp_path, 8, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000006", "step_0000008"]
 
 

@@ -7,14 +7,14 @@ size, ZeRO stage and tensor-parallel size resumes it), and ``trainer_state.json`
 the data position, what the trainer carries between steps, the spec and the code version
 that wrote it. Only safetensors and JSON are written, and a folder holding anything else is
 refused before anything is loaded: nothing is ever unpickled. Every rank writes into a temp
-folder that the driver renames once all are done (``new_checkpoint``), so a crash mid-save
+folder (``begin_checkpoint``) that the driver renames once all are done
+(``commit_checkpoint``), so a crash mid-save
 leaves no checkpoint rather than a broken one, and older ones are pruned only after that.
 The export (``export_hf``) is written the same way: by every rank, into a folder the driver
 renames.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -23,7 +23,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import elasticrl
 from elasticrl.files import read_json, replace_folder, write_text
@@ -178,18 +177,6 @@ def commit_checkpoint(tmp: Path, root: Path, step: int, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def new_checkpoint(root: Path, step: int, keep: int) -> Iterator[Path]:
-    """Yields the temp folder every rank saves into; when the block succeeds it becomes
-    ``step_NNNNNNN`` and the checkpoints older than the newest ``keep`` are removed."""
-    tmp = begin_checkpoint(root, step)
-    try:
-        yield tmp
-        commit_checkpoint(tmp, root, step, keep)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _export_plan(engine, dtype, max_shard_bytes: int) -> tuple[list, list[list[str]], int]:
     """(name, tensor) of every entry of the model's state dict in order, the files they go
     into (``plan_shards``) and their total bytes: the same on every rank, from whole shapes."""
@@ -200,7 +187,7 @@ def _export_plan(engine, dtype, max_shard_bytes: int) -> tuple[list, list[list[s
 
     tensors = dict(engine.module.named_parameters(remove_duplicate=False))
     tensors.update(engine.module.named_buffers(remove_duplicate=False))
-    sliced = state._tp_slices(engine)
+    sliced = state.tp_slices(engine)
     entries, sizes = [], []
     for name in engine.module.state_dict().keys():
         t = tensors[name]
@@ -233,7 +220,7 @@ def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     file_of = {key: i for i, keys in enumerate(shards) for key in keys}
-    sliced = state._tp_slices(engine)
+    sliced = state.tp_slices(engine)
     mine: dict[int, list] = {i: [] for i in range(len(shards)) if i % world == rank}
     for name, t in entries:
         keep = file_of[name] in mine

@@ -6,12 +6,13 @@ The Ray worker classes of each trainer hold one and add their own step functions
 """
 from __future__ import annotations
 
+import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from elasticrl import backend
 from elasticrl.data.records import row_share, sample_indices
@@ -103,8 +104,7 @@ class TrainRank:
         staged = state.stage_engine(self.engine, copy=background, reuse=getattr(self, "_staging", None))
         self._staging, rng = staged.buffer, backend.rng_state()
         if self.rank == 0:
-            self.engine.module.config.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
+            self._save_model_files(folder)
 
         def write() -> int:  # the pieces last: with them the rank's part is complete
             save_file(rng, str(Path(folder) / f"rng_rank{self.rank}.safetensors"))
@@ -120,22 +120,25 @@ class TrainRank:
         writer = getattr(self, "_writer", None)
         return 0 if writer is None else writer.result(wait)
 
-    def snapshot(self) -> dict[str, bytes]:
-        """What ``save`` writes, as {relative path: bytes} (this rank's pieces and RNG; rank 0's
-        also the counters, config and tokenizer): the in-memory copy that
-        ``fault.memory_copy_steps`` keeps in the driver. Written through a private folder in
-        memory."""
-        import shutil
+    def snapshot(self) -> dict:
+        """What ``save`` writes, built in memory from the live tensors (the in-memory copy of
+        ``fault.memory_copy_steps``, which a keeper holds): {relative path: bytes, or the pieces
+        file as a uint8 array}. This rank's pieces (one copy, into a buffer the next snapshot
+        reuses) and RNG; rank 0's also the counters, the model's config and the tokenizer."""
+        pieces = state.PIECES.format(self.rank)
+        files = state.staged_files(state.stage_engine(self.engine, copy=False), getattr(self, "_copy_buffer", None))
+        self._copy_buffer = files[pieces]
+        files[pieces] = files[pieces].numpy()  # Ray hands an array's memory over without pickling it
+        files[f"rng_rank{self.rank}.safetensors"] = save(backend.rng_state())
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory() as tmp:  # a few small files
+                self._save_model_files(tmp)
+                files.update({str(f.relative_to(tmp)): f.read_bytes() for f in Path(tmp).rglob("*") if f.is_file()})
+        return files
 
-        from elasticrl.files import shm_path
-
-        tmp = shm_path("copy")  # named for this process: a rank killed mid-copy leaves it to remove_stale
-        tmp.mkdir()
-        try:
-            self.save(tmp)
-            return {str(f.relative_to(tmp)): f.read_bytes() for f in sorted(tmp.rglob("*")) if f.is_file()}
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def _save_model_files(self, folder: str) -> None:
+        self.engine.module.config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
 
     def export(self, folder: str) -> None:
         ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,

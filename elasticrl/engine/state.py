@@ -29,7 +29,7 @@ from safetensors import safe_open
 from elasticrl import backend, parallel
 from elasticrl.data.records import row_share
 from elasticrl.files import write_text
-from elasticrl.weights.shards import write_safetensors
+from elasticrl.weights.shards import safetensors_buffer, write_safetensors
 
 ENGINE_STATE = "engine_state.json"
 PIECES = "pieces-rank{:05d}.safetensors"
@@ -94,7 +94,7 @@ def _held(engine, saving: bool, moments: bool):
     rank. ``saving``: replicated copies appear once (a tensor-parallel peer's and a ZeRO-0
     data-parallel peer's share); loading, each rank takes everything it holds."""
     opt, inner = engine.optimizer, _inner_optimizer(engine)
-    sliced = _tp_slices(engine)
+    sliced = tp_slices(engine)
     tp_rank = parallel.tensor_parallel_rank(engine.autotp_size())
     dp_rank, dp_size = parallel.data_parallel_info(engine.autotp_size())
     for name, p in engine.module.named_parameters():
@@ -198,6 +198,15 @@ def write_staged(staged: Staged, folder: str | Path) -> int:
     return written
 
 
+def staged_files(staged: Staged, reuse: torch.Tensor | None = None) -> dict:
+    """What ``write_staged`` writes, built in memory: {file name: bytes, or the pieces file as
+    one uint8 tensor (``reuse``: the previous one, when it has the size)}."""
+    out = {PIECES.format(staged.rank): safetensors_buffer(staged.tensors, staged.metadata, reuse)}
+    if staged.engine_state is not None:
+        out[ENGINE_STATE] = json.dumps(staged.engine_state, indent=2).encode()
+    return out
+
+
 def save_engine(engine, folder: str | Path) -> int:
     """This rank's share of the engine's state into ``folder``, now (no staging copy)."""
     return write_staged(stage_engine(engine, copy=False), folder)
@@ -264,7 +273,7 @@ def load_engine(engine, folder: str | Path) -> None:
     state = json.loads((folder / ENGINE_STATE).read_text())
     inner = _inner_optimizer(engine)
     if state["moments"]:
-        _init_adam_states(engine, inner, state["optimizer_step"])
+        init_adam_states(engine, state["optimizer_step"])
     pieces = Pieces(folder)
     with torch.no_grad():
         for held in _held(engine, saving=False, moments=state["moments"]):
@@ -293,7 +302,7 @@ def full_state(engine) -> tuple[dict, dict]:
     stepped = _stepped(engine)
     if stepped:
         _link_states(engine)
-    sliced = _tp_slices(engine)
+    sliced = tp_slices(engine)
     weights, moments = {}, {}
     for name, p in engine.module.named_parameters():
         for key in (None, *(_ADAM_KEYS if stepped else ())):
@@ -310,7 +319,7 @@ def full_state(engine) -> tuple[dict, dict]:
     return weights, moments
 
 
-def _tp_slices(engine) -> dict[int, tuple]:
+def tp_slices(engine) -> dict[int, tuple]:
     """id(parameter) -> (its AutoTP layer, the dimension AutoTP cut it along), for the
     parameters each tensor-parallel rank holds a slice of (none without AutoTP)."""
     cuts = parallel.autotp_cuts(engine)
@@ -329,9 +338,10 @@ def saved_world_size(folder: str | Path) -> int:
     return json.loads((Path(folder) / ENGINE_STATE).read_text())["world_size"]
 
 
-def _init_adam_states(engine, inner, step: float) -> None:
+def init_adam_states(engine, step: float) -> None:
     """Create AdamW's per-parameter state as its first step would (zeros, then overwritten
     by the saved moments), so the partitions the moments load into exist."""
+    inner = _inner_optimizer(engine)
     # ZeRO-3 hands its flat fp32 partitions to the torch optimizer only for the length of a step
     flat = [p for g in inner.param_groups for p in g["params"]] + list(
         getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))

@@ -54,8 +54,9 @@ def model_states(params: float, n: int, zero_stage: int, offload_optimizer: bool
 def state_copies(checkpoint_background: bool, memory_copy: bool) -> int:
     """Copies of a trained role's fp32 state (ADAM_BYTES a parameter: masters and moments) held in
     host memory besides training: a background checkpoint's staging buffers (each rank's
-    pieces until written) and the in-memory copy's keepers (each rank's pieces, on a peer)."""
-    return int(checkpoint_background) + int(memory_copy)
+    pieces until written); the in-memory copy's three (each rank's buffer it builds its copy
+    in, and on a peer the keeper's newest copy and the older one whose memory the next reuses)."""
+    return int(checkpoint_background) + 3 * int(memory_copy)
 
 
 def zero3_working_set(arch: Arch) -> float:

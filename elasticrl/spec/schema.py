@@ -399,8 +399,9 @@ class FaultSpec:
     memory_copy_steps: int = doc("Every this many steps each actor and critic rank hands a copy of its state (its "
                                  "checkpoint pieces) to a keeper process on the node of its next rank on another "
                                  "node (on one node, a process of its own); a recovery starts from the newest of it "
-                                 "and the checkpoints, so fewer steps are redone. Costs a checkpoint's size of host "
-                                 "memory across the keepers and each rank's copy time. 0: off.", 0, min=0)
+                                 "and the checkpoints, so fewer steps are redone. Costs three checkpoints' size of "
+                                 "host memory (each rank's buffer, the keepers' two newest copies) and each rank's "
+                                 "copy time (README, Sharded state). 0: off.", 0, min=0)
     place_timeout_s: float = doc("Seconds a re-formed actor or critic waits for its ranks to be placed before it "
                                  "re-forms on fewer (as many as the live nodes hold, keeping the global batch "
                                  "through gradient accumulation); a node that died is seen at once.", 60.0, min=1)

@@ -87,10 +87,8 @@ def load_sharded(folder: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(folder))
 
 
-def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
-    """A safetensors file of ``tensors`` written straight from their memory (no serialised copy;
-    views of one buffer allowed; a device tensor comes to the host one at a time), under a temp
-    name renamed when complete; returns the bytes written."""
+def _prefix(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> tuple[bytes, int]:
+    """A safetensors file's length and header, and the bytes of data after them."""
     codes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
     header, offset = {"__metadata__": metadata}, 0
     for key, t in tensors:
@@ -99,12 +97,39 @@ def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]],
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    return len(head).to_bytes(8, "little") + head, offset
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8).view(-1)
+
+
+def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """A safetensors file of ``tensors`` written straight from their memory (no serialised copy;
+    views of one buffer allowed; a device tensor comes to the host one at a time), under a temp
+    name renamed when complete; returns the bytes written."""
+    prefix, size = _prefix(tensors, metadata)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")  # the file appears whole or not at all
     with open(tmp, "wb") as fh:
-        fh.write(len(head).to_bytes(8, "little"))
-        fh.write(head)
+        fh.write(prefix)
         for _, t in tensors:
-            fh.write(memoryview(t.detach().cpu().contiguous().view(torch.uint8).view(-1).numpy()))
+            fh.write(memoryview(_raw(t).numpy()))
     os.replace(tmp, path)
-    return 8 + len(head) + offset
+    return len(prefix) + size
+
+
+def safetensors_buffer(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str],
+                       reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``write_safetensors`` writes, as one uint8 tensor in memory (``reuse`` when it has
+    the size: its pages are warm), each tensor copied once."""
+    prefix, size = _prefix(tensors, metadata)
+    total = len(prefix) + size
+    buf = reuse if reuse is not None and reuse.numel() == total else torch.empty(total, dtype=torch.uint8)
+    buf[:len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    at = len(prefix)
+    for _, t in tensors:
+        raw = _raw(t)
+        buf[at:at + raw.numel()].copy_(raw)
+        at += raw.numel()
+    return buf

@@ -43,40 +43,55 @@ def _logits(worker, ids):
         return worker.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.tolist()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_export_equals_gathered_weights_and_reloads_with_identical_logits(ray_cluster, tmp_path, stage):
+LAYOUTS = {"zero2": ["train.zero_stage=2"], "zero3": ["train.zero_stage=3"],
+           "autotp2": ["train.tp_size=2", "train.zero_stage=1", "train.micro_batch_size=16"]}
+
+
+@pytest.fixture(scope="module")
+def exports(ray_cluster, tmp_path_factory):
+    """Each layout on 2 ranks exports its starting weights, trains 3 steps and exports again,
+    in 1 MB files so that both ranks write some: {layout: (final/, the engine's logits of
+    PROBE after training)}."""
+    out = {}
+    for name, extra in LAYOUTS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        spec = _spec(*extra, "export.max_shard_size_mb=1")
+        paths = resolve_paths(spec)
+        group = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), paths)
+        try:
+            group.setup(20)
+            if name == "zero3":  # each rank holds only its partition ...
+                parts = group.call_rank(1, "__ray_call__", lambda w: [
+                    (p.ds_tensor.numel(), p.ds_numel) for p in w.engine.module.parameters()])
+                assert all(local < full for local, full in parts)
+            group.call("export", str(tmp / "step0"))  # ... and the export holds the whole weights
+            initial = load_file(f"{paths['model']}/model.safetensors")
+            exported = load_sharded(tmp / "step0")
+            assert exported.keys() == initial.keys() and len(list((tmp / "step0").glob("model-*"))) > 2
+            for key, tensor in initial.items():
+                assert torch.equal(exported[key], tensor), (name, key)
+            for step in range(3):
+                group.call("train_step", step)
+            group.call("export", str(tmp / "final"))
+            logits = torch.tensor(group.call("__ray_call__", lambda w: _logits(w, PROBE))[0])  # collective
+        finally:
+            group.shutdown()
+        assert not torch.equal(load_sharded(tmp / "final")["lm_head.weight"], initial["lm_head.weight"])
+        assert not [p for p in tmp.iterdir() if p.name.startswith(".")]
+        out[name] = (tmp / "final", logits)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_export_written_by_every_rank_reloads_in_transformers_with_the_trained_logits(exports, layout):
     from transformers import AutoModelForCausalLM
 
-    spec = _spec(f"train.zero_stage={stage}", "export.max_shard_size_mb=1")  # files for both ranks to write
-    paths = resolve_paths(spec)
-    group = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), paths)
-    try:
-        group.setup(20)
-        if stage == 3:  # each rank holds only its partition ...
-            parts = group.call_rank(1, "__ray_call__", lambda w: [
-                (p.ds_tensor.numel(), p.ds_numel) for p in w.engine.module.parameters()])
-            assert all(local < full for local, full in parts)
-        group.call("export", str(tmp_path / "step0"))  # ... and the gather returns the full weights
-        initial = load_file(f"{paths['model']}/model.safetensors")
-        exported = load_sharded(tmp_path / "step0")
-        assert exported.keys() == initial.keys() and len(list((tmp_path / "step0").glob("model-*"))) > 2
-        for name, tensor in initial.items():
-            assert torch.equal(exported[name], tensor), name
-
-        for step in range(3):
-            group.call("train_step", step)
-        group.call("export", str(tmp_path / "final"))
-        engine_logits = torch.tensor(group.call_rank(0, "__ray_call__", lambda w: _logits(w, PROBE))) \
-            if stage == 2 else torch.tensor(group.call("__ray_call__", lambda w: _logits(w, PROBE))[0])
-    finally:
-        group.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    final, engine_logits = exports[layout]
+    hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
     batch = pad_batch(PROBE, 0)
     with torch.no_grad():
         hf_logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    assert not torch.equal(load_sharded(tmp_path / "final")["lm_head.weight"], initial["lm_head.weight"])
     torch.testing.assert_close(hf_logits, engine_logits, atol=1e-5, rtol=0)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 RESUME = ["train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep=3"]
@@ -100,32 +115,36 @@ def straight(ray_cluster, tmp_path_factory):
     return out
 
 
-def test_the_export_loads_in_transformers_and_vllm(straight):
-    """The straight run's export (final/) in vLLM's CPU build, in a process of its own: its
-    greedy tokens are transformers' argmax, with the same log-probabilities."""
+def test_the_exports_load_in_vllm_with_transformers_tokens_and_log_probs(straight, exports):
+    """The exports of every layout (and the straight run's single-file final/) in vLLM's CPU
+    build, one after another in a process of its own: its greedy tokens are transformers'
+    argmax on the same folder, with the same log-probabilities (and transformers' logits are
+    the trained engine's: the test above)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    final = straight / "final"
-    tok = AutoTokenizer.from_pretrained(final)
+    finals = [straight / "final"] + [final for final, _ in exports.values()]
+    tok = AutoTokenizer.from_pretrained(finals[0])
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for p in ("12+7=", "30-4=", "5+5=")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_probe.py")), str(final),
-                           json.dumps(prompts)], capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_probe.py")), json.dumps(prompts),
+                           *map(str, finals)], capture_output=True, text=True, timeout=400, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[0][len("RESULT "):])
-    hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
-    for prompt, res in zip(prompts, results):
-        assert res["token_ids"], res
-        seq = torch.tensor([prompt + res["token_ids"]])
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(seq).logits[0].float(), -1)
-        hf_lp = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(res["token_ids"])]
-        hf_greedy = [int(logp[len(prompt) - 1 + i].argmax()) for i in range(len(res["token_ids"]))]
-        assert res["token_ids"] == hf_greedy
-        torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(hf_lp), atol=1e-4, rtol=0)
+    per_folder = json.loads(lines[0][len("RESULT "):])
+    assert len(per_folder) == len(finals)
+    for final, results in zip(finals, per_folder):
+        hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+        for prompt, res in zip(prompts, results):
+            assert res["token_ids"], (final, res)
+            seq = torch.tensor([prompt + res["token_ids"]])
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(seq).logits[0].float(), -1)
+            hf_lp = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(res["token_ids"])]
+            hf_greedy = [int(logp[len(prompt) - 1 + i].argmax()) for i in range(len(res["token_ids"]))]
+            assert res["token_ids"] == hf_greedy, final
+            torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(hf_lp), atol=1e-4, rtol=0)
 
 
 def test_zero2_zero3_and_autotp_train_the_same_model(straight, tmp_path):

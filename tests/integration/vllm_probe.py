@@ -1,4 +1,5 @@
-"""Load a model folder in vLLM (CPU build here), greedy-decode prompts, print JSON.
+"""Load model folders in vLLM (CPU build here) one after another, greedy-decode the same
+prompts with each, print JSON: a list per folder.
 
 Run as a script in its own process: in-process vLLM takes over torch's thread settings and
 joins an existing torch.distributed world, which a test process must not inherit.
@@ -11,17 +12,25 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def main(model: str, prompts_json: str) -> None:
-    from vllm import LLM, SamplingParams
+def main(prompts_json: str, *models: str) -> None:
+    import gc
 
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=128)
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params)
-    result = [{"token_ids": list(o.outputs[0].token_ids),
-               "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
-               "text": o.outputs[0].text} for o in outs]
-    print("RESULT " + json.dumps(result), flush=True)
+    results = []
+    for model in models:
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=128)
+        outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params)
+        results.append([{"token_ids": list(o.outputs[0].token_ids),
+                         "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                         "text": o.outputs[0].text} for o in outs])
+        del llm, outs
+        gc.collect()
+        cleanup_dist_env_and_memory()  # the next LLM starts its own
+    print("RESULT " + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
