@@ -98,8 +98,8 @@ def launch(
     gpus: int = typer.Option(0, "--gpus", help="GPUs to plan for (with --gpu-mem); 0: size pools in CPUs."),
     gpu_mem: float = typer.Option(0, "--gpu-mem", help="Memory of one GPU, GB."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes the GPUs are spread over."),
-    train_nodes: int = typer.Option(1, "--train-nodes", min=1,
-                                    help="Without --gpus: nodes the train pool's CPUs are spread over."),
+    role_nodes: Optional[List[str]] = typer.Option(None, "--role-nodes", help="Without --gpus: NAME=N spreads app "
+                                                   "role NAME's CPUs over N nodes (repeatable; default 1 each)."),
     image: Optional[str] = typer.Option(None, "--image", help="Working dir (local_cwd, slurm) or container image."),
     detach: bool = typer.Option(False, "--detach", help="Return after submitting (not for local_cwd)."),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0,
@@ -108,13 +108,16 @@ def launch(
     lost_s: int = typer.Option(LOST_S, "--lost-s", min=1, help="Seconds a node waits for a head that stopped answering "
                                                            "before it fails (then the app fails and can restart)."),
 ):
-    """Launch a job through TorchX: a Ray head plus node pools, on local processes, Slurm or Kubernetes.
+    """Launch a job through TorchX: a Ray head plus one app role per placement group of model roles
+    (actor, critic, reference, reward, rollout; colocated ones joined), on local processes,
+    Slurm or Kubernetes.
 
-    Prints the plan and the app handle, then streams the head's log until the job ends; the
+    Prints the plan, the app roles and the app handle, then streams the head's log until the job ends; the
     exit code is the job's. `elasticrl status|logs|cancel HANDLE` work from another shell
     (Slurm; local_cwd apps live only as long as this command). With --max-restarts, Slurm
     requeues a failed job itself; on local_cwd this command submits it again."""
     from elasticrl.plan import Inventory, PlanError, plan_job, render
+    from elasticrl.plan.apps import app_role_sizes, render_apps
     from elasticrl.spec import SpecError, explicit_fields, load_spec, read_raw
     from launch import submit
 
@@ -122,26 +125,24 @@ def launch(
         _fail(f"--scheduler: expected one of {', '.join(submit.SCHEDULERS)}, got {scheduler!r}", 2)
     if detach and scheduler == "local_cwd":
         _fail("--detach: local_cwd apps end with the command that launched them; use slurm or kubernetes", 2)
-    if gpus and train_nodes != 1:
-        _fail("--train-nodes: with --gpus the planner sizes the pools (set --nodes)", 2)
     sets = list(set_ or [])
     try:
+        spread = submit.parse_role_nodes(role_nodes)
         raw = read_raw(spec, sets)
         job = load_spec(raw, check_paths=scheduler == "local_cwd")
-        plan = inventory = None
+        plan = None
         if gpus:
-            inventory = Inventory(gpus, gpu_mem, nodes)
-            plan = plan_job(job, inventory, explicit_fields(raw))
+            plan = plan_job(job, Inventory(gpus, gpu_mem, nodes), explicit_fields(raw))
             typer.echo(render(plan))
             sets += plan.overrides()
-        pools = submit.pool_args(job, plan, inventory, train_nodes)
-        app_def = submit.build_app(str(spec), output, sets, pools, scheduler, image, max_restarts, lost_s)
+            job = load_spec(read_raw(spec, sets), check_paths=False)  # as planned
+        apps = app_role_sizes(job, plan, spread)
+        app_def = submit.build_app(str(spec), output, sets, apps, scheduler, image, max_restarts, lost_s)
         described = submit.describe_app(app_def)  # before TorchX adds its scheduler's variables
         info = submit.dryrun(app_def, scheduler, submit.parse_cfg(cfg))
     except (SpecError, PlanError, ValueError) as exc:
         _fail(f"{spec}: {exc}", 2)
-    typer.echo("pools: " + ", ".join(f"{r.name} {r.num_replicas} x (cpu {r.resource.cpu}, gpu {r.resource.gpu}, "
-                                     f"{r.resource.memMB // 1024} GB)" for r in app_def.roles))
+    typer.echo(render_apps(apps))
     if dryrun:
         typer.echo(described)
         typer.echo(f"--- {scheduler} request ---")
@@ -168,15 +169,15 @@ def status(handle: str = typer.Argument(..., help="The app handle printed by ela
 @app.command()
 def logs(
     handle: str = typer.Argument(..., help="The app handle printed by elasticrl launch."),
-    role: str = typer.Option("head", "--role", help="head, train or rollout."),
-    replica: int = typer.Option(0, "--replica", help="Which replica of the role."),
+    role: str = typer.Argument("head", help="The app role, and which of its nodes: head, actor, rollout/1, ..."),
     tail: bool = typer.Option(False, "--tail", "-f", help="Follow until the app ends."),
 ):
-    """Print a replica's log (Slurm: its stderr, where elasticrl logs)."""
+    """Print one node's log (Slurm: its stderr, where elasticrl logs): ROLE[/N], N from 0."""
     from launch import submit
 
     try:
-        for line in submit.log_lines(handle, role, replica, tail):
+        name, replica = submit.parse_replica(role)
+        for line in submit.log_lines(handle, name, replica, tail):
             typer.echo(line.rstrip("\n"))
     except ValueError as exc:
         _fail(str(exc), 2)
@@ -240,20 +241,24 @@ def plan_cmd(
     Fields the spec sets itself are pinned (checked, not changed). Prints predicted memory per
     GPU and the --set overrides that realise the plan."""
     from elasticrl.plan import Inventory, PlanError, plan_job, render
+    from elasticrl.plan.apps import app_role_sizes, render_apps
     from elasticrl.spec import SpecError, explicit_fields, load_spec, read_raw
 
     try:
         raw = read_raw(spec, set_ or [])
         job = load_spec(raw, check_paths=False)
         plan = plan_job(job, Inventory(gpus, gpu_mem, nodes, host_mem), explicit_fields(raw))
+        apps = app_role_sizes(load_spec(read_raw(spec, (set_ or []) + plan.overrides()), check_paths=False), plan)
     except (SpecError, PlanError, ValueError) as exc:
         _fail(f"{spec}: {exc}", 2)
     if as_json:
         typer.echo(json.dumps({"settings": plan.settings, "pinned": plan.pinned, "overrides": plan.overrides(),
                                "peak_gb_per_gpu": {g: round(v["peak"] / 1e9, 2) for g, v in plan.groups.items()},
-                               "host_gb": round(plan.host_bytes / 1e9, 1)}))
+                               "host_gb": round(plan.host_bytes / 1e9, 1),
+                               "app_roles": [a._asdict() for a in apps]}))
         return
     typer.echo(render(plan))
+    typer.echo(render_apps(apps))
     typer.echo("run it with: " + " ".join(f"--set {o}" for o in plan.overrides()))
 
 

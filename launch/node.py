@@ -1,14 +1,14 @@
 """What each TorchX replica of an elasticrl app runs on its node.
 
   python -m launch.node head   --app-id ID --expect N --spec SPEC --output DIR [--set k=v ...]
-  python -m launch.node worker --app-id ID --pool NAME
+  python -m launch.node worker --app-id ID --role NAME
 
 The head starts Ray (its own temp dir, dashboard on localhost), waits until the N-1 worker
 nodes have joined, runs the job as a driver of that Ray, then publishes its exit code in
 Ray's key-value store and waits for the workers to leave. A worker (one of the app's, or one
 that joins it later: ``elasticrl scale --join``) starts a Ray node that
-carries its pool as a custom resource (``elasticrl_pool_NAME``) so that model roles land on
-the right pool, and leaves when the head says so, or fails when the head disappears.
+carries its app role as a custom resource (``elasticrl_pool_NAME``) so that the model roles
+placed there land on it, and leaves when the head says so, or fails when the head disappears.
 
 Ray's token authentication stays on: the head writes a random token (mode 0600) into the
 job folder, which every node of a TorchX app shares (the launch folder on local_cwd and
@@ -266,17 +266,17 @@ def worker(ns: argparse.Namespace) -> int:
     except TimeoutError as exc:
         _log(f"error: {exc}")
         return 1
-    resources = json.dumps({POOL_PREFIX + ns.pool: 1000})
+    resources = json.dumps({POOL_PREFIX + ns.role: 1000})
     args = ["--address", address, "--num-cpus", str(ns.cpus), "--num-gpus", str(ns.gpus), "--resources", resources]
     if ns.host:
         args += ["--node-ip-address", _node_ip(ns.host)]
     # Several nodes of one app may share a host (a workstation, a test): a temp dir of its own,
     # or two raylets starting together race for the same socket names.
     sweep_orphans("erl-*")
-    temp = owned_dir(f"{_temp_dir(ns.app_id)}-{ns.pool}-{os.getpid()}")
+    temp = owned_dir(f"{_temp_dir(ns.app_id)}-{ns.role}-{os.getpid()}")
     args += ["--temp-dir", str(temp / "r")]  # inside a folder private to the user: Ray opens its own to all
-    _log(f"joining the Ray head at {address} as pool {ns.pool!r}")
-    proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.pool}-{os.getpid()}.log")
+    _log(f"joining the Ray head at {address} as a node of app role {ns.role!r}")
+    proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.role}-{os.getpid()}.log")
     _on_terminate.extend([lambda: _stop(proc, 1.0), lambda: remove_with_processes(temp)])
     lost_since = None
     try:
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--set", action="append", help="Spec overrides, as for elasticrl run.")
     h.add_argument("--set-b64", action="append", help="An override, URL-safe base64 (one that a shell would split).")
     w = sub.choices["worker"]
-    w.add_argument("--pool", required=True, help="The node pool this node serves (e.g. train, rollout).")
+    w.add_argument("--role", required=True, help="The app role this node serves (actor, rollout, critic-reward, ...).")
     w.add_argument("--lost-s", type=float, default=LOST_S, help="Seconds without the head before failing.")
     ns = p.parse_args(argv)
     # A requeued Slurm job keeps its id: the attempt keeps its files (token, address, Ray's temp

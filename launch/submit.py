@@ -1,14 +1,12 @@
 """``elasticrl launch`` and friends: from a spec (and a plan) to a TorchX app, and back.
 
-The pools come from the planner when GPUs are given (``--gpus``/``--gpu-mem``/``--nodes``):
-the trained and frozen models' GPUs form the ``train`` pool, the engines' the ``rollout``
-pool, each in whole nodes; with the hybrid engine (``colocate: all``) there is one pool.
-Without GPUs (a CPU workstation, a CPU Slurm) the pools are sized in CPUs from the spec.
+The app roles after the head are the job's placement groups of model roles, sized by
+``elasticrl.plan.apps``: from the planner when GPUs are given (``--gpus``/``--gpu-mem``/
+``--nodes``), else in CPUs from the spec (``--role-nodes NAME=N`` spreads one over N nodes).
 """
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 import shlex
@@ -33,53 +31,35 @@ def parse_cfg(text: str | None) -> dict[str, str]:
     return out
 
 
-def pool_args(spec, plan=None, inventory=None, train_nodes: int = 1) -> dict:
-    """Component arguments (pool sizes) for a spec: from a plan on GPUs, else in CPUs, the
-    train pool's spread over ``train_nodes`` nodes."""
-    from elasticrl.plan.roles import cpus_needed, job_roles
-
-    roles = job_roles(spec)
-    rl_job = "rollout" in roles  # jobs with vLLM engines get a rollout pool
-    if plan is not None:
-        per_node = inventory.per_node
-        s = plan.settings
-        engine_gpus = s.get("rollout.num_engines", 0) * s.get("rollout.tp_size", 0)
-        train_gpus = sum(r["ranks"] for g, r in _group_widths(plan).items() if g != "rollout")
-        if not rl_job or s.get("placement.colocate") == "all":
-            nodes = math.ceil(max(train_gpus, engine_gpus) / per_node)
-            return {"train_nodes": nodes, "train_gpus": per_node, "train_cpus": 8 * per_node, "rollout_nodes": 0}
-        return {"train_nodes": math.ceil(train_gpus / per_node), "train_gpus": per_node, "train_cpus": 8 * per_node,
-                "rollout_nodes": math.ceil(engine_gpus / per_node), "rollout_gpus": per_node,
-                "rollout_cpus": 8 * per_node}
-    def train(cpus: int) -> dict:
-        return {"train_nodes": train_nodes, "train_cpus": math.ceil(cpus / train_nodes)}
-
-    if not rl_job:
-        return {**train(cpus_needed(spec) - 1), "rollout_nodes": 0}
-    engines = roles["rollout"].ranks * roles["rollout"].cpus
-    if spec.placement.colocate == "all":
-        return {**train(cpus_needed(spec)), "rollout_nodes": 0}
-    return {**train(cpus_needed(spec) - 1 - engines), "rollout_nodes": 1, "rollout_cpus": engines}
-
-
-def _group_widths(plan) -> dict:
-    """Placement group -> the widest role in it (GPUs the group occupies)."""
-    out: dict = {}
-    for role, r in plan.roles.items():
-        g = "rollout" if role == "rollout" else r["group"]
-        if g not in out or r["ranks"] > out[g]["ranks"]:
-            out[g] = r
+def parse_role_nodes(items: list[str] | None) -> dict[str, int]:
+    """``--role-nodes NAME=N`` items as {name: nodes}."""
+    out = {}
+    for item in items or []:
+        name, sep, n = item.partition("=")
+        if not sep or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--role-nodes {item!r}: expected NAME=N, N >= 1 (e.g. actor=2)")
+        out[name.strip()] = int(n)
     return out
 
 
-def build_app(spec_path: str, output: str, sets: list[str], pools: dict, scheduler: str, image: str | None,
+def parse_replica(text: str) -> tuple[str, int]:
+    """``ROLE[/N]`` as (role, replica)."""
+    name, _, n = text.partition("/")
+    if not name or (n and not n.isdigit()):
+        raise ValueError(f"{text!r}: expected ROLE or ROLE/N (e.g. head, actor/1)")
+    return name, int(n or 0)
+
+
+def build_app(spec_path: str, output: str, sets: list[str], apps: list, scheduler: str, image: str | None,
               max_restarts: int = 0, lost_s: int = LOST_S):
+    """The TorchX app of a job whose app roles are ``apps`` (``plan.apps.app_role_sizes``)."""
     from components.elasticrl import job
 
     python = "python" if scheduler == "kubernetes" else sys.executable
     image = image or ("ghcr.io/elasticrl/elasticrl:latest" if scheduler == "kubernetes" else os.getcwd())
-    return job(spec=spec_path, output=output, sets=shlex.join(sets), image=image, python=python,
-               max_restarts=max_restarts, lost_s=lost_s, **pools)
+    roles = ",".join(f"{a.name}={a.nodes}:{a.cpus}:{a.gpus}:{a.mem_gb}" for a in apps)
+    return job(spec=spec_path, roles=roles, output=output, sets=shlex.join(sets), image=image, python=python,
+               max_restarts=max_restarts, lost_s=lost_s)
 
 
 def running_attempt(handle: str) -> str:
@@ -97,15 +77,19 @@ def running_attempt(handle: str) -> str:
 
 
 def join_node(app_id: str, output: str, engines: int, gpus: int, cfg: dict) -> str:
-    """Submit one rollout-pool node into the running Slurm app attempt ``app_id``, for
-    ``engines`` more rollout engines of the job in ``output`` (its CPUs, or ``gpus``); it
-    joins the app's Ray through the address and token its head published in this folder.
-    Returns its handle."""
+    """Submit one node of the ``rollout`` app role into the running Slurm app attempt
+    ``app_id``, for ``engines`` more rollout engines of the job in ``output`` (its CPUs, or
+    ``gpus``); it joins the app's Ray through the address and token its head published in
+    this folder. Returns its handle."""
     from components.elasticrl import node
+    from elasticrl.plan.apps import CPUS_PER_GPU
     from elasticrl.trainers.loop import job_spec
 
-    rollout = job_spec(Path(output)).rollout
-    cpus = 8 * gpus if gpus else engines * rollout.cpus_per_engine
+    spec = job_spec(Path(output))
+    if spec.placement.colocate == "all":
+        raise ValueError("--join: this job's engines share the actor's devices (placement.colocate: all), so it "
+                         "has no rollout app role to join; scale it without --join")
+    cpus = CPUS_PER_GPU * gpus if gpus else engines * spec.rollout.cpus_per_engine
     app = node(app_id, "rollout", cpus, gpus, output=output, image=os.getcwd(), python=sys.executable)
     return runner().schedule(dryrun(app, "slurm", cfg))
 
@@ -263,10 +247,10 @@ def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_resta
             return "SUBMITTED"
         state = follow(handle, say, log)
         if state == "FAILED" and finished_since(output, started):  # the driver went on without it
-            say(f"{handle}: the job finished; a pool node failed during it (see elasticrl logs {handle} --role train)")
+            say(f"{handle}: the job finished; a node failed during it (see elasticrl logs {handle} ROLE)")
             state = "SUCCEEDED"
         if state == "SUCCEEDED" or scheduler != "local_cwd" or restarts >= max_restarts:
-            return state if state == "SUCCEEDED" else f"{state}; see elasticrl logs {handle} --role train"
+            return state if state == "SUCCEEDED" else f"{state}; see elasticrl logs {handle} ROLE"
         restarts += 1
         step = resumable_step(output)
         say(f"{handle}: {state}; restart {restarts} of {max_restarts}, "

@@ -102,8 +102,8 @@ def _loaded_after(code: str) -> list[str]:
     ("validating a spec", "from elasticrl.spec import load_spec, describe\nload_spec('examples/tiny_ppo.yaml')\n"
      "describe()", []),
     ("building a launch dry-run's app", "from launch import submit\nfrom elasticrl.spec import load_spec\n"
-     "spec = load_spec('examples/tiny_grpo.yaml')\n"
-     "submit.build_app('examples/tiny_grpo.yaml', 'runs/x', [], submit.pool_args(spec), 'slurm', None)", []),
+     "from elasticrl.plan.apps import app_role_sizes\nspec = load_spec('examples/tiny_grpo.yaml')\n"
+     "submit.build_app('examples/tiny_grpo.yaml', 'runs/x', [], app_role_sizes(spec), 'slurm', None)", []),
     ("the RL math", "import elasticrl.algorithms.advantages, elasticrl.algorithms.losses, elasticrl.algorithms.kl, "
      "elasticrl.algorithms.preference, elasticrl.algorithms.normalize", ["torch"]),
 ], ids=["plan", "spec", "launch", "algorithms"])

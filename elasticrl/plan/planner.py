@@ -78,8 +78,8 @@ class Plan:
     arch: Arch
     inventory: Inventory
     settings: dict                      # spec field -> value, every PLANNED field of this job
-    roles: dict                         # role -> {"ranks", "gpus", "memory": {phase: bytes}, "group"}
-    groups: dict                        # placement group -> {"roles", "gpus", "peak": bytes, "phase"}
+    roles: dict                         # role -> {"ranks", "gpus", "memory": {phase: bytes}, "host", "group"}
+    groups: dict                        # placement group (its app role's name) -> {"roles", "peak", "phase"}
     host_bytes: float
     step_time: float
     pinned: list = field(default_factory=list)
@@ -300,24 +300,31 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
         if peak > USABLE * gpu + 1:
             return None
         group_info[name] = {"roles": members, "peak": peak, "phase": phase}
-    host = sum(m["host"] * ranks[r] * (job.reward_models if r == "reward" else 1) for r, m in mem.items())
+    host = {r: m["host"] * ranks[r] * (job.reward_models if r == "reward" else 1) for r, m in mem.items()}
     ck, fault = job.spec.checkpoint, job.spec.fault
-    host += state_copies(bool(ck.every_steps and ck.background), bool(fault.memory_copy_steps)) * ADAM_BYTES * sum(
-        a.params(head) for role, head in job.roles.items() if role in ("actor", "critic"))
-    if inv.host_mem_gb is not None and host > inv.host_mem_gb * GB * inv.nodes:
+    copied = state_copies(bool(ck.every_steps and ck.background), bool(fault.memory_copy_steps))
+    for role, head in job.roles.items():
+        if role in ("actor", "critic"):
+            host[role] += copied * ADAM_BYTES * a.params(head)
+    if inv.host_mem_gb is not None and sum(host.values()) > inv.host_mem_gb * GB * inv.nodes:
         return None
     settings = _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util)
-    role_rows = {r: {"ranks": ranks[r], "memory": mem[r],
-                     "group": next(g for g, m in groups.items() if r in m)} for r in job.roles}
-    return Plan(job.spec.algorithm, a, inv, settings, role_rows, group_info, host, 0.0, sorted(job.pinned))
+    role_rows = {}
+    for r in job.roles:
+        group = next(g for g, m in groups.items() if r in m)
+        apart = job.reward_models if r == "reward" and len(groups[group]) == 1 else 1  # own GPUs each
+        role_rows[r] = {"ranks": ranks[r], "gpus": ranks[r] * apart, "memory": mem[r], "host": host[r],
+                        "group": group}
+    return Plan(job.spec.algorithm, a, inv, settings, role_rows, group_info, sum(host.values()), 0.0,
+                sorted(job.pinned))
 
 
 def _groups(coloc: str, roles: dict) -> dict[str, list[str]]:
     out, seen = {}, set()
     for members in COLOCATION[coloc]:
         present = [r for r in members if r in roles]
-        if present:
-            out["+".join(present)] = present
+        if present:  # named as its app role (plan.roles.app_roles)
+            out["all" if coloc == "all" else "-".join(present)] = present
             seen |= set(present)
     for r in roles:
         if r not in seen:
@@ -420,7 +427,7 @@ def _obstacle(job: _Job) -> str | None:
 def render(plan: Plan) -> str:
     """The plan as a table for the console."""
     a, inv = plan.arch, plan.inventory
-    w = max(len(g) for g in plan.groups) + 2
+    w = max(len("placement group"), *(len(g) for g in plan.groups)) + 2
     lines = [f"plan: {plan.algorithm}, {a.params() / 1e9:.2f}B parameters, {inv.gpus} x {inv.gpu_mem_gb:g} GB GPU "
              f"on {inv.nodes} node(s)", "",
              f"{'role':10} {'GPUs':>5}  {'placement group':{w}} GB/GPU {'rollout':>8} {'experience':>10} {'train':>7}"]

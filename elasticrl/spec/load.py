@@ -244,9 +244,6 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
                                                 "parameters on every rank)")
     if t.offload_optimizer and t.zero_stage == 0:
         raise SpecError("train.offload_optimizer", "needs train.zero_stage >= 1")
-    if spec.placement.pools == "split" and spec.placement.colocate == "all":
-        raise SpecError("placement.pools", "'split' gives rollout engines nodes of their own, but placement.colocate "
-                                           "'all' shares every GPU with them; use pools: any")
     alg = ALGORITHMS[spec.algorithm]
     rl = spec.rl
     if alg.family == "rl":

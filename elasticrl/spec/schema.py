@@ -333,9 +333,11 @@ class PlacementSpec:
                                "train.zero_stage 3 its weights are sharded over them.", 0, min=0)
     reward_ranks: int = doc("Ranks of each reward model; with train.zero_stage 3 its weights are sharded "
                             "over them.", 1, min=1)
-    pools: Literal["any", "split"] = doc(
-        "Which Ray nodes host which roles: 'any'; 'split' puts rollout engines on the nodes of pool "
-        "'rollout' and every other role on pool 'train' (the node pools of elasticrl launch).", "any")
+    pools: Literal["any", "per_role"] = doc(
+        "Which Ray nodes host which roles: 'any' (one machine: elasticrl run); 'per_role' puts each "
+        "placement group of model roles on the nodes of its own app role (actor, critic, reference, reward, "
+        "rollout, or colocated roles joined: actor-reference, critic-reward, all), as elasticrl launch "
+        "starts them.", "any")
 
 
 @dataclass

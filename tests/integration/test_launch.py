@@ -43,18 +43,51 @@ def _normalise(text: str) -> str:
     return "\n".join(ln.rstrip() for ln in text.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
 
 
+# a job, its --set items and flags -> the app roles elasticrl launch builds after the head
+DRYRUNS = {
+    "grpo": (["examples/tiny_grpo.yaml", *_sets(SHORT)], ["actor", "rollout"]),
+    "ppo": (["examples/tiny_ppo.yaml", *_sets(["rl.kl_coef=0.01", "init.rm_steps=300"])],
+            ["actor", "critic", "reference", "reward", "rollout"]),
+    "ppo_pairs": (["examples/tiny_ppo.yaml", *_sets(["rl.kl_coef=0.01", "init.rm_steps=300",
+                                                     "placement.colocate=actor_ref+critic_reward"])],
+                  ["actor-reference", "critic-reward", "rollout"]),
+    "sft": (["examples/tiny_sft.yaml", "--role-nodes", "actor=2"], ["actor"]),
+}
+
+
+@pytest.mark.parametrize("job", DRYRUNS)
 @pytest.mark.parametrize("scheduler", ["local_cwd", "slurm", "kubernetes"])
-def test_dryrun_prints_the_app_and_the_request(scheduler):
-    proc = run_cli("launch", "examples/tiny_grpo.yaml", "--dryrun", "-s", scheduler, *_sets(SHORT), timeout=300)
+def test_dryrun_prints_one_app_role_per_placement_group_and_the_request(job, scheduler):
+    args, roles = DRYRUNS[job]
+    proc = run_cli("launch", *args, "--dryrun", "-s", scheduler, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = _normalise(proc.stdout).rstrip("\n")
-    golden = GOLDEN / f"launch_{scheduler}.txt"
+    golden = GOLDEN / f"launch_{job}_{scheduler}.txt"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(got + "\n")
     assert got == golden.read_text().rstrip("\n"), f"regenerate with UPDATE_GOLDEN=1 if intended: {golden}"
-    # the head comes first, then the pools
-    roles = re.findall(r"^role (\w+):", got, re.M)
-    assert roles == ["head", "train", "rollout"]
+    assert re.findall(r"^role ([\w-]+):", got, re.M) == ["head", *roles]  # the head first
+    assert re.findall(r"^  ([\w-]+) +\d+ node", got, re.M) == roles  # the table printed before the app
+    # each node joins Ray as its app role's, and the head waits for all of them
+    nodes = [int(n) for n in re.findall(r"^role [\w-]+: (\d+) replica", got, re.M)]
+    assert f"--expect {sum(nodes)} " in got and all(f"--role {r} " in got for r in roles)
+
+
+def test_a_planned_gpu_job_asks_each_app_role_for_its_gpus_on_slurm():
+    """7B PPO planned on 2 nodes of 8 x 80 GB, the pairs colocated: three app roles with the
+    planned GPUs each, and Slurm's hetjob asks for them per task (one task a node)."""
+    proc = run_cli("launch", "examples/ppo_7b.yaml", "--dryrun", "-s", "slurm", "--gpus", "16", "--gpu-mem", "80",
+                   "--nodes", "2", "--set", "placement.colocate=actor_ref+critic_reward", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = _normalise(proc.stdout).rstrip("\n")
+    golden = GOLDEN / "launch_ppo_7b_gpus_slurm.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(got + "\n")
+    assert got == golden.read_text().rstrip("\n"), f"regenerate with UPDATE_GOLDEN=1 if intended: {golden}"
+    gpus = dict(re.findall(r"^  ([\w-]+) +1 node\(s\) x cpu \d+, gpu (\d+)", got, re.M))
+    assert list(gpus) == ["actor-reference", "critic-reward", "rollout"] and sum(map(int, gpus.values())) <= 16
+    for role, n in gpus.items():
+        assert re.search(rf"--job-name={role}-0 .*--gpus-per-task={n}\b", got), role
 
 
 def test_launch_refuses_bad_input_in_one_line():
@@ -62,8 +95,12 @@ def test_launch_refuses_bad_input_in_one_line():
     assert bad.returncode == 2 and "--scheduler: expected one of local_cwd, slurm, kubernetes" in bad.stderr
     bad = run_cli("launch", "examples/tiny_grpo.yaml", "--dryrun", "-s", "slurm", "--cfg", "partition", timeout=120)
     assert bad.returncode == 2 and "--cfg 'partition': expected KEY=VALUE" in bad.stderr
+    bad = run_cli("launch", "examples/tiny_grpo.yaml", "--dryrun", "--role-nodes", "critic=2", timeout=120)
+    assert bad.returncode == 2 and "--role-nodes critic: this job's app roles are actor, rollout" in bad.stderr
     bad = run_cli("status", "not-a-handle", timeout=120)
     assert bad.returncode == 2 and "is not an app handle" in bad.stderr
+    bad = run_cli("logs", "slurm://torchx/1", "actor/x", timeout=120)
+    assert bad.returncode == 2 and "'actor/x': expected ROLE or ROLE/N" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
@@ -125,7 +162,7 @@ def _launch_and_kill_the_head(args: list[str], tmp_path, heads, env=None) -> tup
 
 
 class _NodeLoss(threading.Thread):
-    """Once ``out``'s run logged step ``after``, SIGKILLs a whole train-pool node of the app
+    """Once ``out``'s run logged step ``after``, SIGKILLs a whole actor node of the app
     that ``launch_pid`` runs: its ``launch.node worker`` and every process below it (its
     Ray node and the actor rank there), as when the machine is gone."""
 
@@ -141,7 +178,8 @@ class _NodeLoss(threading.Thread):
         while logged_step(self.out) < self.after and time.time() < deadline:
             time.sleep(0.1)
         time.sleep(0.3)  # into the next step
-        nodes = [p for p, cmd in _descendants(self.launch_pid) if "launch.node worker" in cmd and "--pool train" in cmd]
+        nodes = [p for p, cmd in _descendants(self.launch_pid)
+                 if "launch.node worker" in cmd and "--role actor " in cmd]
         hosting = [p for p in nodes if any(c.startswith("ray::ActorWorker") for _, c in _descendants(p))]
         if hosting:
             tree = [p for p, _ in _descendants(hosting[-1])][::-1] + [hosting[-1]]  # the node's supervisor last
@@ -154,7 +192,7 @@ class _NodeLoss(threading.Thread):
 
 @pytest.mark.slow
 def test_local_cwd_launch_restarts_a_job_whose_head_died_and_goes_on_smaller_without_a_node(tmp_path):
-    """The tiny GRPO job on local processes, its two actor ranks on two train-pool nodes.
+    """The tiny GRPO job on local processes, its two actor ranks on the two nodes of its actor app role.
     L0: the head node's process is SIGKILLed mid-run; its Ray goes with it, the other nodes
     give up, the app fails, `launch --max-restarts 1` submits it again and the job resumes
     from its newest checkpoint. L3 on fewer ranks: in that second attempt a whole train node
@@ -165,7 +203,7 @@ def test_local_cwd_launch_restarts_a_job_whose_head_died_and_goes_on_smaller_wit
     before = set(_leftovers(tmp_path))
     out = tmp_path / "run"
     args = ["launch", str(ROOT / "examples/tiny_grpo.yaml"), "--output", str(out), "--max-restarts",
-            "1", "--lost-s", "10", "--train-nodes", "2", *_sets(RESTARTED)]
+            "1", "--lost-s", "10", "--role-nodes", "actor=2", *_sets(RESTARTED)]
     loss = None
 
     def heads(pid):
@@ -184,11 +222,11 @@ def test_local_cwd_launch_restarts_a_job_whose_head_died_and_goes_on_smaller_wit
     shrunk = re.search(r"actor rank \d (?:died|failed)[^\n]* at step [45]; recovered in ([\d.]+) s from step (\d) "
                        r"\(the newest checkpoint\) on 1 rank\(s\)", output)
     assert shrunk and "re-forming actor on 1 rank(s)" in output, output[-4000:]
-    assert "the job finished; a pool node failed during it" in output
+    assert "the job finished; a node failed during it" in output
     print(f"a train node lost: {shrunk.group(0)}")
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
-    # engines on the rollout pool's node, trainers on the train pool's: weights cross nodes;
+    # engines on the rollout app role's node, trainers on the actor's: weights cross nodes;
     # the version goes on from the checkpoint's
     assert [r["sync/version"] for r in steps] == [1, 2, 3, 4, 5, 6] and steps[0]["sync/transport"] == "broadcast"
     for row in steps:
@@ -262,11 +300,11 @@ def _until(what: str, check, timeout_s: float, every_s: float = 1.0):
 
 @pytest.mark.slow
 def test_slurm_job_takes_a_node_survives_a_trainer_rank_and_its_head_killed_and_cancels(tmp_path, slurm):
-    """One Slurm job, each pool on its own node, driven from other shells (status, logs,
+    """One Slurm job, each app role on its own node, driven from other shells (status, logs,
     sacct, scale, cancel), through four events:
     1. a node joins it while it runs (`elasticrl scale --engines 2 --join HANDLE`, a Slurm job of
        its own): the second engine starts there and serves;
-    2. L3: an actor rank's process, on the train pool's node, is SIGKILLed: the driver on the
+    2. L3: an actor rank's process, on the actor app role's node, is SIGKILLed: the driver on the
        head node re-forms the actor there and goes on;
     3. L0: the head node's process is SIGKILLed after a checkpoint: the job fails, Slurm
        requeues it (--max-restarts, TorchX's retries), it resumes from its newest checkpoint,
@@ -295,7 +333,7 @@ def test_slurm_job_takes_a_node_survives_a_trainer_rank_and_its_head_killed_and_
     _until("the joined node's engine serving", lambda: 2 in [r.get("rollout/engines") for r in _metrics(out)], 400)
     where = {name: node for name, node, _ in (ln.split("|") for ln in subprocess.run(
         sacct + [job_id], capture_output=True, text=True, env=env).stdout.split())}
-    assert where["head-0"] != where["train-0"] and where["head-0"] != where["rollout-0"], where
+    assert where["head-0"] != where["actor-0"] and where["head-0"] != where["rollout-0"], where
     served = logged_step(out)
     print(f"a joined node's engine served from step {served}")
 
@@ -306,7 +344,7 @@ def test_slurm_job_takes_a_node_survives_a_trainer_rank_and_its_head_killed_and_
         r"actor rank \d died \(ActorDiedError\) at step \d+; recovered in ([\d.]+) s from step \d+ "
         r"\((the newest checkpoint|the start)\)", _head_log(handle, tmp_path)), 300)
     trainer.check()
-    assert any("launch.node worker" in c and "--pool train" in c for c in trainer.parents), trainer.parents
+    assert any("launch.node worker" in c and "--role actor " in c for c in trainer.parents), trainer.parents
 
     # 3. the head killed after a later checkpoint: Slurm requeues the job and it resumes
     step = logged_step(out)

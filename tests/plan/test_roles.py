@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticrl.plan.roles import colocated, cpus_needed, job_roles
+from elasticrl.plan.roles import app_role_cpus, app_roles, colocated, cpus_needed, job_roles
 from elasticrl.spec import load_spec
 
 
@@ -43,11 +43,31 @@ def test_roles_groups_and_cpus_of_each_family(algorithm, overrides, roles, group
     assert cpus_needed(spec) == cpus
 
 
-def test_pools_and_resources_per_rank():
-    spec = _spec("ppo", "placement.pools=split", "rollout.tp_size=2", "rollout.cpus_per_engine=3",
-                 "rewards.models=[{path: a}, {path: b}]")
+def test_app_roles_pools_and_resources_per_rank():
+    """placement.pools per_role: one app role per placement group of model roles, named after
+    them; its ranks ask for its nodes."""
+    spec = _spec("ppo", "placement.pools=per_role", "rl.kl_coef=0.1", "rollout.tp_size=2",
+                 "rollout.cpus_per_engine=3", "rewards.models=[{path: a}, {path: b}]")
     roles = job_roles(spec)
-    assert roles["rollout"].pool == "rollout" and (roles["rollout"].gpus, roles["rollout"].cpus) == (2, 3)
-    assert {r.pool for name, r in roles.items() if name != "rollout"} == {"train"}
+    assert app_roles(spec) == {"actor": ["actor"], "critic": ["critic"], "reference": ["reference"],
+                               "reward": ["reward"], "rollout": ["rollout"]}
+    assert {name: r.pool for name, r in roles.items()} == {name: name for name in roles}
+    assert (roles["rollout"].gpus, roles["rollout"].cpus) == (2, 3)
+    # 2 actor ranks, 1 critic rank, 2 reference ranks, two 1-rank reward models, 1 engine of 3 CPUs
+    assert app_role_cpus(spec) == {"actor": 2, "critic": 1, "reference": 2, "reward": 2, "rollout": 3}
     assert roles["reward"].copies == 2 and roles["critic"].head == "value" and roles["actor"].head == "lm"
     assert job_roles(_spec("rm"))["actor"].head == "value"
+
+    pairs = _spec("ppo", "placement.pools=per_role", "rl.kl_coef=0.1", "placement.colocate=actor_ref+critic_reward",
+                  "rewards.models=[{path: a}]", "placement.reward_ranks=2")
+    assert app_roles(pairs) == {"actor-reference": ["actor", "reference"], "critic-reward": ["critic", "reward"],
+                                "rollout": ["rollout"]}
+    assert {r: p.pool for r, p in job_roles(pairs).items()} == {
+        "actor": "actor-reference", "reference": "actor-reference", "critic": "critic-reward",
+        "reward": "critic-reward", "rollout": "rollout"}
+    assert app_role_cpus(pairs) == {"actor-reference": 2, "critic-reward": 2, "rollout": 1}  # the widest, once
+    hybrid = _spec("grpo", "placement.pools=per_role", "rl.kl_coef=0.1", "placement.colocate=all")
+    assert app_roles(hybrid) == {"all": ["actor", "reference", "rollout"]}
+    dpo = _spec("dpo", "placement.pools=per_role")  # its reference lives in the actor's ranks
+    assert app_roles(dpo) == {"actor": ["actor", "reference"]} and job_roles(dpo)["reference"].pool == "actor"
+    assert {r.pool for r in job_roles(_spec("ppo", "rl.kl_coef=0.1")).values()} == {None}  # 'any': elasticrl run
