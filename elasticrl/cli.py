@@ -198,32 +198,43 @@ def cancel(handle: str = typer.Argument(..., help="The app handle printed by ela
 @app.command()
 def scale(
     output: Path = typer.Argument(..., help="The --output folder of a running job (elasticrl run or launch)."),
-    engines: int = typer.Option(..., "--engines", help="Rollout engines the job should have."),
+    engines: Optional[int] = typer.Option(None, "--engines", help="Rollout engines the job should have."),
     join: Optional[str] = typer.Option(None, "--join", help="A running Slurm app's handle: also submit a node that "
-                                                            "joins its Ray for the engines added (run it in the "
-                                                            "launch folder)."),
-    node_gpus: int = typer.Option(0, "--node-gpus", min=0, help="With --join: GPUs of the node (0: CPUs, "
-                                                                "rollout.cpus_per_engine per engine added)."),
+                                                            "joins its Ray (run it in the launch folder)."),
+    role: str = typer.Option("rollout", "--role", help="With --join: the app role the node serves (rollout: for "
+                                                       "the engines added; another: room for that role's ranks, as "
+                                                       "after a lost node)."),
+    node_gpus: int = typer.Option(0, "--node-gpus", min=0, help="With --join: GPUs of the node (0: CPUs, as many "
+                                                                "as the engines added or the app role takes)."),
     cfg: Optional[str] = typer.Option(None, "--cfg", help="With --join: Slurm options of the node's job."),
 ):
     """Grow or shrink a running job's rollout engines; it applies at the next step boundary
     (new engines serve once started and synced; see rollout/engines in metrics.jsonl). With
-    --join, a new node joins a running Slurm app to hold the engines added."""
+    --join, a new node joins a running Slurm app as a node of app role --role: for the engines
+    added, or to hold another role's ranks (a re-formed role waits fault.place_timeout_s for it)."""
     from elasticrl.trainers.loop import ask_engines, engines_now
     from launch import submit
 
     try:
-        have = engines_now(output)
-        if join and engines <= have:
+        if role == "rollout" and engines is None:
+            raise ValueError("--engines: how many rollout engines the job should have (a rollout node is for more)")
+        if role != "rollout" and (engines is not None or not join):
+            raise ValueError(f"--role {role}: a node for another app role than rollout joins with --join and "
+                             "without --engines")
+        have = engines_now(output) if engines is not None else 0
+        if join and engines is not None and engines <= have:
             raise ValueError(f"--join: a node is for more engines: ask for more than the {have} the job has")
         attempt = submit.running_attempt(join) if join else None
-        ask_engines(output, engines)
+        if engines is not None:
+            ask_engines(output, engines)
         if join:
-            typer.echo(f"{output}: a rollout node for {engines - have} engine(s) submitted: "
-                       f"{submit.join_node(attempt, str(output), engines - have, node_gpus, submit.parse_cfg(cfg))}")
+            handle = submit.join_node(attempt, str(output), role, (engines or 0) - have, node_gpus,
+                                      submit.parse_cfg(cfg))
+            typer.echo(f"{output}: a node of app role {role} submitted: {handle}")
     except ValueError as exc:
         _fail(str(exc), 2)
-    typer.echo(f"{output}: asked for {engines} rollout engine(s); the job applies it at its next step")
+    if engines is not None:
+        typer.echo(f"{output}: asked for {engines} rollout engine(s); the job applies it at its next step")
 
 
 @app.command("plan")

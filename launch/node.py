@@ -94,11 +94,17 @@ def _auth_env(app_id: str) -> dict[str, str]:
             "RAY_AUTH_TOKEN_PATH": str(token_file(app_id).resolve())}
 
 
+# How soon the head's Ray declares a node lost whose raylet stopped answering: a failed health
+# check every second, five in a row (about 5 s; Ray's default, every 3 s, about 15 s). A lost
+# node's ranks are re-formed elsewhere only once Ray counts it gone.
+NODE_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "5"}
+
+
 def _ray_env(app_id: str) -> dict[str, str]:
     os.environ.update(_auth_env(app_id))
     from elasticrl.cluster.session import worker_env
 
-    env = {**os.environ, **worker_env()}
+    env = {**os.environ, **worker_env(), **NODE_HEALTH}
     # TorchX's local_cwd sets PATH to the working directory alone; compilers (DeepSpeed's
     # JIT-built ops) and the system tools must stay reachable.
     env["PATH"] = os.pathsep.join(dict.fromkeys(env["PATH"].split(os.pathsep) + ["/usr/local/bin", "/usr/bin", "/bin"]))

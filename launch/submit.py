@@ -76,21 +76,25 @@ def running_attempt(handle: str) -> str:
     return attempts[-1].name.removeprefix("ray-address-")
 
 
-def join_node(app_id: str, output: str, engines: int, gpus: int, cfg: dict) -> str:
-    """Submit one node of the ``rollout`` app role into the running Slurm app attempt
-    ``app_id``, for ``engines`` more rollout engines of the job in ``output`` (its CPUs, or
-    ``gpus``); it joins the app's Ray through the address and token its head published in
-    this folder. Returns its handle."""
+def join_node(app_id: str, output: str, role: str, engines: int, gpus: int, cfg: dict) -> str:
+    """Submit one node of app role ``role`` into the running Slurm app attempt ``app_id`` of the
+    job in ``output``: for ``engines`` more rollout engines, or room for another app role's
+    ranks (its CPUs as ``elasticrl.plan.apps`` sizes a node of it), or ``gpus``. It joins the
+    app's Ray through the address and token its head published in this folder. Returns its
+    handle."""
     from components.elasticrl import node
     from elasticrl.plan.apps import CPUS_PER_GPU
+    from elasticrl.plan.roles import app_role_cpus, app_roles
     from elasticrl.trainers.loop import job_spec
 
     spec = job_spec(Path(output))
-    if spec.placement.colocate == "all":
-        raise ValueError("--join: this job's engines share the actor's devices (placement.colocate: all), so it "
-                         "has no rollout app role to join; scale it without --join")
-    cpus = CPUS_PER_GPU * gpus if gpus else engines * spec.rollout.cpus_per_engine
-    app = node(app_id, "rollout", cpus, gpus, output=output, image=os.getcwd(), python=sys.executable)
+    if role not in app_roles(spec):
+        raise ValueError(f"--role {role}: this job's app roles are {', '.join(app_roles(spec))}")
+    if gpus:
+        cpus = CPUS_PER_GPU * gpus
+    else:
+        cpus = engines * spec.rollout.cpus_per_engine if role == "rollout" else app_role_cpus(spec)[role]
+    app = node(app_id, role, cpus, gpus, output=output, image=os.getcwd(), python=sys.executable)
     return runner().schedule(dryrun(app, "slurm", cfg))
 
 
@@ -166,7 +170,13 @@ def runner():
 
 
 def dryrun(app, scheduler: str, cfg: dict):
-    return runner().dryrun(app, scheduler, cfg=_with_defaults(scheduler, cfg))
+    info = runner().dryrun(app, scheduler, cfg=_with_defaults(scheduler, cfg))
+    if scheduler == "slurm":  # a lost node is its app role's loss, which the driver recovers from:
+        for replica in info.request.replicas.values():
+            replica.srun_opts.pop("kill-on-bad-exit", None)  # its task's end does not end the others',
+            replica.srun_opts.pop("wait", None)              # nor a minute later,
+            replica.sbatch_opts["no-kill"] = None            # nor does Slurm end the job when a node fails
+    return info
 
 
 def _with_defaults(scheduler: str, cfg: dict) -> dict:
@@ -185,8 +195,21 @@ def slurm_state(job_id: str) -> str | None:
     return out[0] if out else None
 
 
+def slurm_nodes(job_id: str) -> str:
+    """Each hetjob component's app role replica, node and state, from sacct ('' when it does not
+    say): ``head-0 on n1 RUNNING, actor-0 on n2 RUNNING, ...``."""
+    try:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobName,NodeList,State", "-j", job_id],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    rows = [ln.split("|") for ln in out.splitlines() if ln.count("|") == 2]
+    return ", ".join(f"{name} on {node} {state.split()[0]}" for name, node, state in rows if state)
+
+
 def status(handle: str) -> tuple[str, str]:
-    """(state, detail) of an app; ``detail`` names the replicas' states where known."""
+    """(state, detail) of an app; ``detail`` names the app roles' replicas (on Slurm their nodes)
+    and their states where known."""
     _split(handle)
     try:
         st = runner().status(handle)
@@ -196,12 +219,12 @@ def status(handle: str) -> tuple[str, str]:
         return (state.split()[0] if state else "UNKNOWN"), ""
     if st is None:
         return "UNKNOWN", f"no such app: {handle}"
-    roles = ", ".join(f"{r.role}: " + " ".join(str(x.state).split(".")[-1] for x in r.replicas)
-                      for r in st.roles)
     scheduler, _, app_id = _split(handle)
-    restarts = slurm_restarts(app_id) if scheduler == "slurm" else None
     if scheduler == "slurm":
-        roles += _told(handle, restarts)
+        roles = slurm_nodes(app_id) + _told(handle, slurm_restarts(app_id))
+    else:
+        roles = ", ".join(f"{r.role}: " + " ".join(str(x.state).split(".")[-1] for x in r.replicas)
+                          for r in st.roles)
     return str(st.state).split(".")[-1], roles
 
 

@@ -133,7 +133,9 @@ def _batch_call(call: Callable[[], list], n: int) -> list | str:
     """A source scored in one call (an endpoint, a reward model): its values, or its error text."""
     try:
         values = call()
-    except Exception as exc:  # noqa: BLE001 - a service or a role: any failure is that call's error
+    except Exception as exc:  # noqa: BLE001 - a service or a role: any failure is that call's error ...
+        if getattr(exc, "lost", False):  # ... but a reward model's rank lost (cluster.RoleError): the
+            raise  # driver builds that role again and scores the batch anew
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
     if len(values) != n:
         return f"gave {len(values)} values for {n} samples"

@@ -59,10 +59,12 @@ from elasticrl.trainers.rl_run import (
     Encoded,
     Roles,
     Run,
+    before_scoring,
     driver_state,
     recover,
     resume_state,
     save,
+    score_again_after_frozen_loss,
     trained_groups,
 )
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
@@ -177,7 +179,13 @@ def _train_run(run: Run, resume: Resume) -> dict:
     while step < spec.rl.num_steps:
         try:
             s = rollout(run, step)
-            experience(run, s)
+            before = before_scoring(run, s)
+            while True:
+                try:
+                    experience(run, s)
+                    break
+                except RoleError as exc:  # a frozen role's rank: it alone is rebuilt, the step scored again
+                    score_again_after_frozen_loss(run, s, exc, before)
             with engines_asleep(run, s):  # the hybrid engine: vLLM sleeps while the trainers train
                 train(run, s)
             sync(run, s)

@@ -1,16 +1,19 @@
 """An RL run's roles and what its steps share: every role placed (``Roles``: the engines,
-the trained and frozen models, re-formed when a trained rank is lost), the state carried
+the trained and frozen models, re-formed when one of their ranks is lost), the state carried
 from step to step (``Run``), and what keeps the run going: its checkpoints, resume, the
-in-memory copy and the recovery of a lost trainer rank (elasticity L3). The step itself is
-``trainers.rl``."""
+in-memory copy and the recovery of a lost trainer rank (elasticity L3) or frozen-model rank.
+The step itself is ``trainers.rl``."""
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import ray
 
 from elasticrl import backend
 from elasticrl.algorithms.normalize import RunningMoments
@@ -100,6 +103,27 @@ class Roles:
                 place_timeout_s=timeout)))
             self.critic.setup(self.total_updates, resume=resume.role("critic"))
 
+    def reform_frozen(self, name: str) -> str:
+        """Build the frozen role ``name`` (``reference``, or ``rewardI``) again from its folder after
+        one of its ranks was lost; the trained roles and the engines stay as they are. Its ranks
+        go where its placement allows (its app role's nodes: one left, or one that joins it),
+        waiting ``fault.place_timeout_s``. Returns the Ray node(s) it now runs on."""
+        old = next(g for g in self.groups if g.role == name)
+        self.groups.remove(old)
+        old.shutdown()
+        d, p, idle, wait = self.dict, self.placement, self.spec.placement.offload_idle, self.spec.fault.place_timeout_s
+        if name == "reference":
+            self.reference = g = self._add(p.group("reference", FrozenWorker, d, self.paths["model"], "reference", idle,
+                                                   place_timeout_s=wait))
+        else:
+            i = int(name.removeprefix("reward"))
+            model = self.spec.rewards.models[i]
+            g = self._add(p.group("reward", FrozenWorker, d, model.path, "reward", idle, name=name,
+                                  place_timeout_s=wait))
+            self.rewards[i] = (g, model.weight)
+        g.setup()
+        return ", ".join(sorted(set(g.call("__ray_call__", lambda w: ray.get_runtime_context().get_node_id()[:12]))))
+
     def trained_groups(self, role: str, elastic: bool, make) -> RoleGroup:
         """``make(ranks, place_timeout_s)`` at the job's rank count; when ``elastic`` and those no
         longer fit (a node is gone), at the most ranks the planner keeps the global batch with."""
@@ -165,6 +189,7 @@ class Run:
     checkpoints: Checkpoints | None = None           # the run's checkpoints (set once the metrics are)
     saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
     restarts: int = 0                                # times the trained roles were re-formed (L3)
+    reforms: int = 0                                 # times a frozen role (reference, reward model) was rebuilt
     recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
     scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
@@ -235,6 +260,33 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
           f"{roles.actor.num_ranks} rank(s) ({run.restarts} of fault.max_restarts {spec.fault.max_restarts})",
           file=sys.stderr, flush=True)
     return start
+
+
+def score_again_after_frozen_loss(run: Run, s, exc: RoleError, before: tuple) -> None:
+    """A rank of the reference or of a reward model was lost while step ``s`` was scored: that
+    role alone is built again and the scoring starts over from the same samples, with the
+    driver's state as it was before (``before``: prompts drawn, reward moments, the step's
+    prompts and samples); the trained roles and the engines go on untouched. Anything else,
+    or one past ``fault.max_restarts``, ends the run."""
+    spec = run.spec
+    frozen = exc.role == "reference" or (exc.role or "").startswith("reward")
+    if not (exc.lost and frozen) or run.reforms >= spec.fault.max_restarts:
+        raise exc
+    t0 = time.time()
+    run.reforms += 1
+    nodes = run.roles.reform_frozen(exc.role)
+    run.drawn, moments, s.indices, s.results, s.generated = before
+    run.moments = copy.deepcopy(moments)
+    seconds = time.time() - t0
+    run.recoveries.append({"what": exc.what, "step": s.step + 1, "role": exc.role, "nodes": nodes,
+                           "seconds": round(seconds, 1), "recovered_at": time.time()})
+    print(f"{exc.what} at step {s.step + 1}; {exc.role} re-formed on node {nodes} in {seconds:.1f} s, scoring the "
+          f"step again ({run.reforms} of fault.max_restarts {spec.fault.max_restarts})", file=sys.stderr, flush=True)
+
+
+def before_scoring(run: Run, s) -> tuple:
+    """What ``score_again_after_frozen_loss`` restores."""
+    return run.drawn, copy.deepcopy(run.moments), list(s.indices), list(s.results), s.generated
 
 
 def trained_groups(roles: Roles) -> dict:

@@ -334,6 +334,9 @@ def test_slurm_job_takes_a_node_survives_a_trainer_rank_and_its_head_killed_and_
     where = {name: node for name, node, _ in (ln.split("|") for ln in subprocess.run(
         sacct + [job_id], capture_output=True, text=True, env=env).stdout.split())}
     assert where["head-0"] != where["actor-0"] and where["head-0"] != where["rollout-0"], where
+    listed = _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout  # each app role's node and state
+    for name in ("head-0", "actor-0", "rollout-0"):
+        assert f"{name} on {where[name]} RUNNING" in listed, listed
     served = logged_step(out)
     print(f"a joined node's engine served from step {served}")
 

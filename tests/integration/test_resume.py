@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import pytest
 
@@ -148,12 +150,33 @@ def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_c
     """PPO's four model roles (actor and reference sharing a placement group, critic and reward
     model another; the separate layout, a group per role, is what every other RL test uses, and
     the full tiny_ppo.yaml ran both ways with identical metrics: README), 3 steps checkpointed
-    at 2; resumed from step 2, the critic included, it repeats the uninterrupted run."""
+    at 2; resumed from step 2, the critic included, it repeats the uninterrupted run. In the
+    first run a frozen model's rank (the reference's or the reward model's) is SIGKILLed as step
+    3 begins: that role alone is built again and step 3 scored anew, so its metrics are the
+    resumed run's, which lost nothing; the actor, critic and engine processes are the same."""
+    from tests.integration.faults import Fault, actor_pids, logged_step
+
     spec = load_spec(EXAMPLES / "tiny_ppo.yaml", RL_BASE + PPO + [
         "rl.num_steps=3", "checkpoint.every_steps=2", "checkpoint.resume=auto",
         "placement.colocate=actor_ref+critic_reward", "train.threads=2"])
     straight = tmp_path / "straight"
+    kill = Fault(straight, "FrozenWorker", after=2)
+    kill.start()
+    seen: list[dict] = []  # the trained and engine processes once step 1 and once step 3 are logged
+
+    def watch():
+        for step in (1, 3):
+            while logged_step(straight) < step:
+                time.sleep(0.02)
+            seen.append({c: actor_pids(c) for c in ("ActorWorker", "CriticWorker", "RolloutEngine")})
+    threading.Thread(target=watch, daemon=True).start()
     summary = run_job(spec, straight)
+    kill.check()
+    reformed = [r for r in summary["recoveries"] if r.get("role")]
+    assert len(reformed) == 1 and reformed[0]["step"] == 3 and reformed[0]["role"] in ("reference", "reward0"), \
+        summary["recoveries"]
+    assert len(seen) == 2 and seen[0] == seen[1] and all(seen[0].values()), seen  # none of them restarted
+    assert summary["final"]["fault/trainer_restarts"] == 0 and summary["final"]["fault/engine_deaths"] == 0
     # train.threads reaches every trained and frozen rank (Ray alone would give each 1)
     assert summary["threads"] == {"actor": 2, "reference": 2, "critic": 2, "reward0": 2}, summary["threads"]
     where = summary["placement"]
@@ -173,8 +196,8 @@ def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_c
     assert summary["reward_model"].endswith("final")
     assert (straight / "checkpoints" / "step_0000002" / "critic" / "pieces-rank00000.safetensors").is_file()
     resumed = stopped_at(straight, 2, tmp_path / "resumed")
-    run_job(spec, resumed)
-    _same_after(straight, resumed, 2)
+    assert "recoveries" not in run_job(spec, resumed)
+    _same_after(straight, resumed, 2)  # step 3, scored again after the loss, as the resumed run scored it
     assert all("value_loss" in r for s, r in _rows(resumed).items() if s > 2)
 
 
