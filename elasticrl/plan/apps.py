@@ -28,7 +28,6 @@ class AppRole(NamedTuple):
     mem_gb: int    # per node
 
 
-
 def app_role_sizes(spec, plan=None, nodes: dict[str, int] | None = None) -> list[AppRole]:
     """The job's app roles in launch order. ``spec`` carries the plan's settings when there is
     a plan; ``nodes`` (without a plan): app role -> nodes its CPUs are spread over (default 1)."""

@@ -4,9 +4,9 @@ and hands it to a keeper: a small process on the node of its next rank in the ri
 on another node (on one node, a process of its own, which outlives a killed rank). The copy
 of a lost rank is then held where the loss did not reach, each keeper holds about one rank's
 share per rank it keeps (twice: the newest copy and the one the next replaces), and no
-process holds the whole state. A recovery has the keepers
-write the newest complete copy into a checkpoint folder; when a rank and its keeper are both
-gone the copy is incomplete and the newest checkpoint is used instead.
+process holds the whole state. A recovery has the keepers write the newest complete copy into
+a checkpoint folder; when a rank and its keeper are both gone the copy is incomplete and the
+newest checkpoint is used instead.
 """
 from __future__ import annotations
 
