@@ -7,9 +7,9 @@ size, ZeRO stage and tensor-parallel size resumes it), and ``trainer_state.json`
 the data position, what the trainer carries between steps, the spec and the code version
 that wrote it. Only safetensors and JSON are written, and a folder holding anything else is
 refused before anything is loaded: nothing is ever unpickled. Every rank writes into a temp
-folder (``begin_checkpoint``) that the driver renames once all are done
-(``commit_checkpoint``), so a crash mid-save
-leaves no checkpoint rather than a broken one, and older ones are pruned only after that.
+folder (``begin_checkpoint``) that the driver renames once all are done (``commit_checkpoint``),
+so a crash mid-save leaves no checkpoint rather than a broken one, and older ones are pruned
+only after that.
 The export (``export_hf``) is written the same way: by every rank, into a folder the driver
 renames.
 """

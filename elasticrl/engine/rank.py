@@ -58,6 +58,9 @@ class TrainRank:
         self.dp_rank, self.dp_size = data_parallel_info(train.tp_size)
         self.is_dp_leader = tensor_parallel_rank(train.tp_size) == 0
         self.sender = None
+        self._writer: _Writer | None = None            # the last save's writes (``saved``)
+        self._staging: torch.Tensor | None = None      # its host buffer, which the next save reuses
+        self._copy_buffer: torch.Tensor | None = None  # the last snapshot's, which the next reuses
 
     @property
     def device(self):
@@ -99,9 +102,9 @@ class TrainRank:
         adds the counters, the model's config and the tokenizer. Returns once the pieces are
         copied to host memory; ``background`` writes them in a thread (``saved`` waits for it),
         else they are written from the live tensors now, returning the bytes. Not collective."""
-        if getattr(self, "_writer", None) is not None:
+        if self._writer is not None:
             self._writer.join()  # the previous save's writes first (their error went to its commit)
-        staged = state.stage_engine(self.engine, copy=background, reuse=getattr(self, "_staging", None))
+        staged = state.stage_engine(self.engine, copy=background, reuse=self._staging)
         self._staging, rng = staged.buffer, backend.rng_state()
         if self.rank == 0:
             self._save_model_files(folder)
@@ -117,8 +120,7 @@ class TrainRank:
     def saved(self, wait: bool = True) -> int | None:
         """Bytes the last save wrote once its writes are done (0 without one); None while they
         go on and ``wait`` is false. Raises what the writing raised (a full disk)."""
-        writer = getattr(self, "_writer", None)
-        return 0 if writer is None else writer.result(wait)
+        return 0 if self._writer is None else self._writer.result(wait)
 
     def snapshot(self) -> dict:
         """What ``save`` writes, built in memory from the live tensors (the in-memory copy of
@@ -126,7 +128,7 @@ class TrainRank:
         file as a uint8 array}. This rank's pieces (one copy, into a buffer the next snapshot
         reuses) and RNG; rank 0's also the counters, the model's config and the tokenizer."""
         pieces = state.PIECES.format(self.rank)
-        files = state.staged_files(state.stage_engine(self.engine, copy=False), getattr(self, "_copy_buffer", None))
+        files = state.staged_files(state.stage_engine(self.engine, copy=False), self._copy_buffer)
         self._copy_buffer = files[pieces]
         files[pieces] = files[pieces].numpy()  # Ray hands an array's memory over without pickling it
         files[f"rng_rank{self.rank}.safetensors"] = save(backend.rng_state())

@@ -179,13 +179,7 @@ def _train_run(run: Run, resume: Resume) -> dict:
     while step < spec.rl.num_steps:
         try:
             s = rollout(run, step)
-            before = before_scoring(run, s)
-            while True:
-                try:
-                    experience(run, s)
-                    break
-                except RoleError as exc:  # a frozen role's rank: it alone is rebuilt, the step scored again
-                    score_again_after_frozen_loss(run, s, exc, before)
+            scored(run, s)
             with engines_asleep(run, s):  # the hybrid engine: vLLM sleeps while the trainers train
                 train(run, s)
             sync(run, s)
@@ -257,6 +251,17 @@ def experience(run: Run, s: Step) -> None:
             if passes is None:  # dynamic sampling: the passes see the rows kept
                 passes = _start_model_passes(run, ray.put(s.batch))
             _advantages(run, s, rewards, _model_passes(run, s, rewards, passes))
+
+
+def scored(run: Run, s: Step) -> None:
+    """``experience``; when a rank of a frozen role (reference, reward model) is lost meanwhile,
+    that role alone is rebuilt and the step scored again from the same samples."""
+    before = before_scoring(run, s)
+    while True:
+        try:
+            return experience(run, s)
+        except RoleError as exc:
+            score_again_after_frozen_loss(run, s, exc, before)
 
 
 def _pack(run: Run, s: Step) -> None:
