@@ -6,6 +6,7 @@ The app roles after the head are the job's placement groups of model roles, size
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import re
@@ -127,7 +128,7 @@ def slurm_restarts(job_id: str) -> int | None:
 
 def _told(handle: str, restarts: int | None) -> str:
     """What the head's log tells of a Slurm job's failures: the restart and the step it
-    resumed from, rollout engines lost, trainer recoveries ('' when nothing)."""
+    resumed from, rollout engines lost, trainer recoveries, frozen roles re-formed ('' when nothing)."""
     from elasticrl.engine.checkpoint import RESUMING
 
     # the file itself (TorchX's log reader waits for a running job to end)
@@ -143,11 +144,12 @@ def _told(handle: str, restarts: int | None) -> str:
         out += f"; restarted {restarts} time(s)" + (f", resumed from {m.group(1)}" if m else "")
     engines = sum(bool(re.search(r"rollout engine \d+ (died|stopped answering)", ln)) for ln in lines)
     trainers = sum("; recovered in " in ln for ln in lines)
+    frozen = collections.Counter(m.group(1) for ln in lines if (m := re.match(r"(\w+) re-formed on node ", ln)))
     if engines:
         out += f"; {engines} rollout engine(s) lost"
     if trainers:
         out += f"; trainer re-formed {trainers} time(s)"
-    return out
+    return out + "".join(f"; {role} re-formed {n} time(s)" for role, n in sorted(frozen.items()))
 
 
 def describe_app(app) -> str:

@@ -259,7 +259,10 @@ def run(args) -> dict:
     """One transport with fresh processes; returns its figures."""
     import tempfile
 
-    ctx = mp.get_context("spawn")
+    # a fork server that imported this script (torch, elasticrl) once: each process of each
+    # layout is forked from it in milliseconds, with no CUDA context to inherit
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__"])
     results, arena_queue = ctx.Queue(), ctx.Queue()
     queues = ([ctx.Queue() for _ in range(args.receivers)],
               [[ctx.Queue() for _ in range(args.receivers)] for _ in range(args.senders)])

@@ -34,6 +34,11 @@ def _checkpoint(files: dict[str, str | bytes]):
     return make
 
 
+def _offline_hub(tmp: Path) -> dict:
+    """A setup step: an empty Hugging Face cache under tmp/hf, offline (the environment it returns)."""
+    return {"HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1"}
+
+
 def _model(**changes: str | bytes | None):
     """A setup step: tmp/model, a copy of the tiny world's model folder with files changed
     (bytes or text, or a function giving them), cut to half their size (``"half"``) or removed
@@ -106,6 +111,10 @@ CASES = [
     ("temperature-zero", [], ["run", GRPO, "--set", "rl.temperature=0"], 2, "rl.temperature"),
     ("min-tokens-too-many", [], ["run", GRPO, "--set", "rl.min_tokens=999"], 2, "rl.min_tokens: 999 is more than"),
     ("model-path-missing", [], ["run", GRPO, "--set", "model.path={tmp}/no-model"], 2, "model.path: {tmp}/no-model"),
+    ("model-hub-id-unknown", [_offline_hub], ["run", GRPO, "--set", "model.path=acme/no-such-model"], 2,
+     "model.path: 'acme/no-such-model' is neither a folder here nor in the Hugging Face cache ({tmp}/hf/hub), and "
+     "the Hub is not reachable (HF_HUB_OFFLINE is set); download it where it is (huggingface-cli download "
+     "acme/no-such-model)"),
     ("data-missing", [], ["run", GRPO, "--set", "data.train={tmp}/none.jsonl"], 2,
      "data.train: {tmp}/none.jsonl not found; give a data file"),
     ("reward-not-a-path", [], ["run", GRPO, "--set", "rewards.functions=[{path: mymod.score}]"], 2,
@@ -253,11 +262,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("case, setup, args, code, says", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_fails_in_one_line_naming_it(case, setup, args, code, says, tmp_path, capsys):
+def test_bad_input_fails_in_one_line_naming_it(case, setup, args, code, says, tmp_path, capsys, monkeypatch):
     from elasticrl.cli import app
 
     for step in setup:
-        step(tmp_path)
+        for name, value in (step(tmp_path) or {}).items():  # a step may give the environment too
+            monkeypatch.setenv(name, value)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if args[0] == "run" and "--output" not in args:
         args += ["--output", str(tmp_path / "out")]

@@ -95,18 +95,22 @@ def room(bundle: dict) -> int:
                for n in ray.nodes() if n["Alive"])
 
 
-def _place(role: str, bundles: list[dict], timeout_s: float):
+def _place(role: str, bundles: list[dict], timeout_s: float, await_nodes: bool = False):
     """A ready placement group of ``bundles``. Raises ``Unplaceable`` as soon as the live nodes
-    can never hold them (checked each second: a node that died leaves the count), or when it
-    is not placed within ``timeout_s``."""
+    can never hold them (checked each second: a node that died leaves the count; with
+    ``await_nodes``, only once ``timeout_s`` passed without a node joining that holds them),
+    or when it is not placed within ``timeout_s``."""
     n, one = len(bundles), bundles[0]
     pg, deadline = None, time.time() + timeout_s
     try:
         while True:
             fits = room(one)
             if fits < n:
-                raise Unplaceable(f"{role}: {n} rank(s) of {one} do not fit: the live nodes hold {fits}. "
-                                  "Lower the rank count or add nodes.", role, fits)
+                if not await_nodes or time.time() >= deadline:
+                    raise Unplaceable(f"{role}: {n} rank(s) of {one} do not fit: the live nodes hold {fits}. "
+                                      "Lower the rank count or add nodes.", role, fits)
+                time.sleep(1.0)
+                continue
             pg = pg or placement_group(bundles, strategy="PACK", name=f"elasticrl-{role}-{uuid.uuid4().hex[:8]}")
             if ray.wait([pg.ready()], timeout=min(1.0, max(0.0, deadline - time.time())))[0]:
                 return pg
@@ -123,9 +127,12 @@ def _place(role: str, bundles: list[dict], timeout_s: float):
 class RoleGroup:
     def __init__(self, role: str, actor_cls, num_ranks: int, *args, gpus_per_rank: float = 1.0,
                  cpus_per_rank: float = 1.0, place_timeout_s: float = 300, actor_options: dict | None = None,
-                 shared=None, pool: str | None = None, watchdog: tuple[float, float] | None = None, **kwargs):
+                 shared=None, pool: str | None = None, watchdog: tuple[float, float] | None = None,
+                 await_nodes: bool = False, **kwargs):
         """``shared``: a ``placement.SharedBundles`` when this role is colocated with others;
         ``pool``: the node pool (``elasticrl launch``) whose nodes must host the ranks;
+        ``await_nodes``: when the live nodes cannot hold the ranks, wait ``place_timeout_s``
+        for nodes to join (a frozen role re-formed after its node was lost);
         ``watchdog``: (factor, seconds): a call that takes longer than factor x the longest
         call of its method so far + seconds is a hang (``fault.hang_factor``, ``min_deadline_s``)."""
         self.role = role
@@ -138,7 +145,7 @@ class RoleGroup:
         else:
             bundles = [{**backend.bundle(gpus_per_rank, cpus_per_rank), **pool_resource(pool)}
                        for _ in range(num_ranks)]
-            self.pg = _place(role, bundles, place_timeout_s)
+            self.pg = _place(role, bundles, place_timeout_s, await_nodes)
         remote_cls = ray.remote(actor_cls)
         self._extra: list = []  # placement groups of ranks added while the job runs (``add``)
 

@@ -1,8 +1,9 @@
 """Model architecture as the memory model needs it: sizes, not weights.
 
-A job's model comes from ``model.path``: its ``config.json`` when the folder exists here,
-else a known published architecture named by the path's last component (so a spec for a
-cluster can be planned on a laptop without the weights), else the embedded tiny preset.
+A job's model comes from ``model.path``: its ``config.json`` when the folder exists here (for
+a Hub id ORG/NAME, its snapshot in this machine's Hugging Face cache, never downloaded), else
+a known published architecture named by the path's last component (so a spec for a cluster
+can be planned on a laptop without the weights), else the embedded tiny preset.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrl.files import read_json
+from elasticrl.spec import hub
 from elasticrl.spec.presets import PRESETS, VOCAB_SIZE
 
 
@@ -78,7 +80,8 @@ def arch_of(model_path: str | None, tiny_preset: str) -> Arch:
     if model_path is None:
         hidden, layers, heads, kv_heads, inter = PRESETS[tiny_preset]
         return Arch(hidden, layers, heads, kv_heads, inter, VOCAB_SIZE)
-    config = Path(model_path) / "config.json"
+    folder = hub.cached(model_path) if hub.is_hub_id(model_path) else model_path  # a Hub id this cache holds
+    config = Path(folder or model_path) / "config.json"
     if config.is_file():
         cfg = read_json(config, "give the folder of a Hugging Face model (its config.json is damaged: copy it again)")
         try:

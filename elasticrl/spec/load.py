@@ -19,6 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from elasticrl.files import write_text
+from elasticrl.spec import hub
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, advantage_of
 from elasticrl.spec.schema import VERIFIERS, JobSpec
 
@@ -37,6 +38,8 @@ def load_spec(source: str | os.PathLike | dict | None = None, overrides: list[st
     ``check_paths=False`` skips the checks that model and data paths exist here (planning a
     job for another machine)."""
     spec = _convert(JobSpec, read_raw(source, overrides), "")
+    if check_paths:  # where the job runs: models named by Hub id become folders of the Hub cache
+        spec = hub.resolve(spec)
     _check_cross_fields(spec, check_paths)
     if spec.rewards.verifier == "auto":  # resolved once, so a trainer that swaps the data keeps the user's
         verifier = "integer" if spec.data.train is None else "math"

@@ -37,7 +37,11 @@ class WorldSpec:
 @dataclass
 class ModelSpec:
     path: Optional[str] = doc(
-        "Hugging Face model folder to start from; null uses the embedded tiny model.", None)
+        "Hugging Face model folder to start from, or a Hub id ORG/NAME (resolved once, before any worker, "
+        "through huggingface_hub's cache: HF_HOME, HF_HUB_OFFLINE, HF_TOKEN; safetensors weights only); null "
+        "uses the embedded tiny model.", None)
+    revision: Optional[str] = doc("Hub revision (branch, tag or commit) of a model.path given by Hub id; null: "
+                                  "main.", None)
     dtype: Literal["auto", "bf16", "fp32"] = doc(
         "Training precision; 'auto' picks bf16 on GPUs and on CPUs with AVX512-BF16/AMX, fp32 "
         "elsewhere (CPU bf16 without them is ~50x slower than fp32).", "auto")
@@ -273,7 +277,8 @@ class RewardFunctionSpec:
 
 @dataclass
 class RewardModelSpec:
-    path: str = doc("Folder of a reward model (a sequence-classification head, e.g. from algorithm: rm).", "")
+    path: str = doc("Folder of a reward model (a sequence-classification head, e.g. from algorithm: rm), or its "
+                    "Hub id ORG/NAME (as model.path).", "")
     weight: float = doc("Weight in the summed reward.", 1.0)
 
 
@@ -313,7 +318,8 @@ class RewardsSpec:
 @dataclass
 class CriticSpec:
     path: Optional[str] = doc(
-        "Critic initialisation; null uses the first reward model (a PPO trick), else the policy.", None)
+        "Critic initialisation (a folder, or a Hub id as model.path); null uses the first reward model (a PPO "
+        "trick), else the policy.", None)
     lr: float = doc("Critic learning rate (higher than the actor's, a PPO trick).", 1e-3, min=0,
                     exclusive_min=True)
     value_clip: Optional[float] = doc("Clip of the value loss; null disables.", 0.2)
@@ -406,7 +412,9 @@ class FaultSpec:
                                  "copy time (README, Sharded state). 0: off.", 0, min=0)
     place_timeout_s: float = doc("Seconds a re-formed actor or critic waits for its ranks to be placed before it "
                                  "re-forms on fewer (as many as the live nodes hold, keeping the global batch "
-                                 "through gradient accumulation); a node that died is seen at once.", 60.0, min=1)
+                                 "through gradient accumulation; a node that died is seen at once), and a "
+                                 "re-formed reference or reward model waits for room, such as a node joining its "
+                                 "app role (`elasticrl scale --join HANDLE --role NAME`).", 60.0, min=1)
 
 
 @dataclass

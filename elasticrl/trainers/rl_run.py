@@ -107,19 +107,19 @@ class Roles:
         """Build the frozen role ``name`` (``reference``, or ``rewardI``) again from its folder after
         one of its ranks was lost; the trained roles and the engines stay as they are. Its ranks
         go where its placement allows (its app role's nodes: one left, or one that joins it),
-        waiting ``fault.place_timeout_s``. Returns the Ray node(s) it now runs on."""
+        waiting ``fault.place_timeout_s`` for one. Returns the Ray node(s) it now runs on."""
         old = next(g for g in self.groups if g.role == name)
         self.groups.remove(old)
         old.shutdown()
         d, p, idle, wait = self.dict, self.placement, self.spec.placement.offload_idle, self.spec.fault.place_timeout_s
         if name == "reference":
             self.reference = g = self._add(p.group("reference", FrozenWorker, d, self.paths["model"], "reference", idle,
-                                                   place_timeout_s=wait))
+                                                   place_timeout_s=wait, await_nodes=True))
         else:
             i = int(name.removeprefix("reward"))
             model = self.spec.rewards.models[i]
             g = self._add(p.group("reward", FrozenWorker, d, model.path, "reward", idle, name=name,
-                                  place_timeout_s=wait))
+                                  place_timeout_s=wait, await_nodes=True))
             self.rewards[i] = (g, model.weight)
         g.setup()
         return ", ".join(sorted(set(g.call("__ray_call__", lambda w: ray.get_runtime_context().get_node_id()[:12]))))
@@ -274,14 +274,16 @@ def score_again_after_frozen_loss(run: Run, s, exc: RoleError, before: tuple) ->
         raise exc
     t0 = time.time()
     run.reforms += 1
+    print(f"{exc.what} at step {s.step + 1}; re-forming {exc.role} (waiting up to fault.place_timeout_s "
+          f"{spec.fault.place_timeout_s:.0f} s for room for it)", file=sys.stderr, flush=True)
     nodes = run.roles.reform_frozen(exc.role)
     run.drawn, moments, s.indices, s.results, s.generated = before
     run.moments = copy.deepcopy(moments)
     seconds = time.time() - t0
     run.recoveries.append({"what": exc.what, "step": s.step + 1, "role": exc.role, "nodes": nodes,
                            "seconds": round(seconds, 1), "recovered_at": time.time()})
-    print(f"{exc.what} at step {s.step + 1}; {exc.role} re-formed on node {nodes} in {seconds:.1f} s, scoring the "
-          f"step again ({run.reforms} of fault.max_restarts {spec.fault.max_restarts})", file=sys.stderr, flush=True)
+    print(f"{exc.role} re-formed on node {nodes} in {seconds:.1f} s; scoring step {s.step + 1} again ({run.reforms} "
+          f"of fault.max_restarts {spec.fault.max_restarts})", file=sys.stderr, flush=True)
 
 
 def before_scoring(run: Run, s) -> tuple:

@@ -1,10 +1,12 @@
-"""A user's model and data: a Qwen2 folder written by plain ``transformers``, its BPE
-tokenizer's ChatML template, multi-turn conversations from a ``save_to_disk`` folder, word
-problems from parquet, the math verifier, TensorBoard and W&B (offline). The data are the
-word-problem world's (``elasticrl.world.wordmath``), made here, as a user's would be."""
+"""A user's model and data: a Qwen2 model written by plain ``transformers`` and named by its
+Hub id (read offline from a Hugging Face cache laid out here), its BPE tokenizer's ChatML
+template, multi-turn conversations from a ``save_to_disk`` folder, word problems from
+parquet, the math verifier, TensorBoard and W&B (offline). The data are the word-problem
+world's (``elasticrl.world.wordmath``), made here, as a user's would be."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,18 +46,33 @@ def _plain_qwen2(folder, world) -> None:
     tok.save_pretrained(folder)
 
 
-def test_sft_then_grpo_on_a_users_qwen2_folder_conversations_and_word_problems(ray_cluster, tmp_path, monkeypatch):
+def _hub_cache(home, repo_id: str) -> Path:
+    """A Hugging Face cache under ``home`` as huggingface_hub lays it out, holding ``repo_id``'s
+    main revision (a snapshot folder, named by its commit, that refs/main points to): its folder."""
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    commit = "3f2a9c1e" * 5
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def test_sft_then_grpo_on_a_users_qwen2_by_hub_id_conversations_and_word_problems(ray_cluster, tmp_path, monkeypatch):
     world = wordmath_dir()
-    _plain_qwen2(tmp_path / "qwen2", world)
+    # the model by Hub id, from the Hugging Face cache, offline (nothing downloads in the tests)
+    snapshot = _hub_cache(tmp_path / "hf", "acme/qwen2-tiny")
+    _plain_qwen2(snapshot, world)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     common = {"model": {"dtype": "fp32"}, "log": {"every_steps": 10, "progress_bar": False},
               "checkpoint": {"resume": None}, "eval": {"num_prompts": 16, "max_new_tokens": 24}}
     # SFT on multi-turn conversations (a save_to_disk folder): only the assistant turns train
-    sft = load_spec({**common, "algorithm": "sft", "model": {"path": str(tmp_path / "qwen2"), "dtype": "fp32"},
+    sft = load_spec({**common, "algorithm": "sft", "model": {"path": "acme/qwen2-tiny", "dtype": "fp32"},
                      "data": {"train": str(world / "data" / "sft"), "eval": str(world / "data" / "eval.parquet"),
                               "max_length": 192},
                      "train": {"num_ranks": 1, "micro_batch_size": 16, "global_batch_size": 32, "max_steps": 40,
                                "lr": 3e-3, "warmup_ratio": 0.05},
                      "eval": {**common["eval"], "every_steps": 0}})
+    assert sft.model.path == str(snapshot)  # resolved once, before any worker: each loads this folder
     summary = run_sft(sft, tmp_path / "sft")
     rows = _rows(tmp_path / "sft")
     trained = [r for r in rows if "loss" in r]  # and the evaluation of the start (step 0), before them

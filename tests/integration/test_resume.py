@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 
 import pytest
 
@@ -24,7 +23,6 @@ from tests.integration.test_preference import (
     check_rounds_learned,
 )
 from tests.integration.test_rl import BASE as RL_BASE
-from tests.integration.test_rl import PPO
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +111,6 @@ def test_async_grpo_with_a_remote_reward_stays_within_its_bound_and_resumes_exac
     weight 0 that raises on 1 call in 10: counted in reward/errors, scored 0, and the run goes
     on. Rollouts run ahead, but not past a checkpoint (after steps 4 and 6), so a run resumed
     from step 4 rolls out as this one did and repeats its metrics."""
-    import threading
     from http.server import ThreadingHTTPServer
 
     from tests.integration.test_rl import _Scorer
@@ -146,32 +143,17 @@ def test_async_grpo_with_a_remote_reward_stays_within_its_bound_and_resumes_exac
     _same_after(straight, resumed, 4)
 
 
-def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_critic(ray_cluster, tmp_path):
+def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_critic(ppo_in_pairs, tmp_path):
     """PPO's four model roles (actor and reference sharing a placement group, critic and reward
     model another; the separate layout, a group per role, is what every other RL test uses, and
-    the full tiny_ppo.yaml ran both ways with identical metrics: README), 3 steps checkpointed
-    at 2; resumed from step 2, the critic included, it repeats the uninterrupted run. In the
-    first run a frozen model's rank (the reference's or the reward model's) is SIGKILLed as step
-    3 begins: that role alone is built again and step 3 scored anew, so its metrics are the
-    resumed run's, which lost nothing; the actor, critic and engine processes are the same."""
-    from tests.integration.faults import Fault, actor_pids, logged_step
-
-    spec = load_spec(EXAMPLES / "tiny_ppo.yaml", RL_BASE + PPO + [
-        "rl.num_steps=3", "checkpoint.every_steps=2", "checkpoint.resume=auto",
-        "placement.colocate=actor_ref+critic_reward", "train.threads=2"])
-    straight = tmp_path / "straight"
-    kill = Fault(straight, "FrozenWorker", after=2)
-    kill.start()
-    seen: list[dict] = []  # the trained and engine processes once step 1 and once step 3 are logged
-
-    def watch():
-        for step in (1, 3):
-            while logged_step(straight) < step:
-                time.sleep(0.02)
-            seen.append({c: actor_pids(c) for c in ("ActorWorker", "CriticWorker", "RolloutEngine")})
-    threading.Thread(target=watch, daemon=True).start()
-    summary = run_job(spec, straight)
-    kill.check()
+    the Slurm job of test_launch.py, each role on its own node, repeats this run's metrics), 3
+    steps checkpointed at 2; resumed from step 2, the critic included, it repeats the
+    uninterrupted run. In the first run a frozen model's rank (the reference's or the reward
+    model's) is SIGKILLed as step 3 begins: that role alone is built again and step 3 scored
+    anew, so its metrics are the resumed run's, which lost nothing; the actor, critic and engine
+    processes are the same."""
+    spec, straight, summary, seen = ppo_in_pairs.spec, ppo_in_pairs.out, ppo_in_pairs.summary, ppo_in_pairs.seen
+    ppo_in_pairs.kill.check()
     reformed = [r for r in summary["recoveries"] if r.get("role")]
     assert len(reformed) == 1 and reformed[0]["step"] == 3 and reformed[0]["role"] in ("reference", "reward0"), \
         summary["recoveries"]

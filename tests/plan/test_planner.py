@@ -59,13 +59,21 @@ def test_kv_cache_per_token_matches_the_published_sizes():
     assert engine_need(KNOWN["llama-2-7b"], 1, 2048, 8) / GB == pytest.approx(13.48 + 8.59 + 1.0, abs=0.01)
 
 
-def test_architecture_from_a_folder_a_known_name_or_the_tiny_world(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2,
-                                                      "num_attention_heads": 4, "intermediate_size": 128,
-                                                      "vocab_size": 100, "tie_word_embeddings": True}))
+def test_architecture_from_a_folder_a_cached_hub_id_a_known_name_or_the_tiny_world(tmp_path, monkeypatch):
+    config = json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": True})
+    (tmp_path / "config.json").write_text(config)
     a = arch_of(str(tmp_path), "2m")
     assert (a.kv_heads, a.tied) == (4, True)
     assert a.params() == 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    # a Hub id: its snapshot in the Hugging Face cache (refs/main names it), never downloaded
+    repo = tmp_path / "hf" / "hub" / "models--acme--Llama-2-7b-small"
+    (repo / "snapshots" / ("ab" * 20)).mkdir(parents=True)
+    (repo / "snapshots" / ("ab" * 20) / "config.json").write_text(config)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("ab" * 20)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert arch_of("acme/Llama-2-7b-small", "2m") == a  # not the known llama-2-7b its name starts with
     assert arch_of("/models/Llama-2-70b-sft", "2m") == KNOWN["llama-2-70b"]
     assert arch_of("meta-llama/Llama-2-7b-hf", "2m") == KNOWN["llama-2-7b"]
     assert arch_of(None, "2m").hidden == 256

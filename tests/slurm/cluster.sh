@@ -2,8 +2,8 @@
 # A real multi-node Slurm (Debian 12's slurm 22.05) on this one machine, for the tests of
 # `elasticrl launch --scheduler slurm` (tests/integration/test_launch.py starts and stops it).
 # Adapted from the project's shared recipe (shared/tools/local-slurm.sh, whose notes explain
-# each choice); defaults changed for elasticrl: 4 nodes of 8 logical CPUs (the tiny job's head,
-# train and rollout pools each take a node), state under /tmp/elasticrl-slurm, and Slurm's
+# each choice); defaults changed for elasticrl: 8 nodes of 8 logical CPUs (the tiny PPO job's head
+# and five app roles each take a node, and two join it), state under /tmp/elasticrl-slurm, and Slurm's
 # default KillWait of 30 s, so that a cancelled step has time to stop the Ray it started.
 #
 #   cluster.sh start|stop|status|check|env|reset [DIR]
@@ -17,7 +17,7 @@ set -euo pipefail
 CMD=${1:-start}
 DIR=${2:-${LOCAL_SLURM_DIR:-/tmp/elasticrl-slurm}}
 DIR=$(realpath -m "$DIR")
-NODES=${LOCAL_SLURM_NODES:-4}
+NODES=${LOCAL_SLURM_NODES:-8}
 export LOCAL_SLURM_CPUS_PER_NODE=${LOCAL_SLURM_CPUS_PER_NODE:-8}
 ACCOUNTING=${LOCAL_SLURM_ACCOUNTING:-1}
 FAKE_GPUS=${LOCAL_SLURM_FAKE_GPUS:-0}
@@ -154,8 +154,8 @@ SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire also sets how long Slurm holds a requeued job before it may start again
-# (default 120 s): 20 s keeps the tests' restart-on-requeue runs short
-AuthInfo=socket=$MUNGE_SOCK,cred_expire=20
+# (default 120 s): 12 s keeps the tests' restart-on-requeue runs short
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=12
 StateSaveLocation=$DIR/spool/ctld
 SlurmdSpoolDir=$DIR/spool/d-%n
 SlurmctldPidFile=$RUN/slurmctld.pid
