@@ -55,8 +55,7 @@ class Roles:
         d = spec_to_dict(spec)
         self.spec, self.dict, self.paths, self.total_updates = spec, d, paths, total_updates
         self.placement = p = Placement(spec)
-        idle = spec.placement.offload_idle
-        if idle and not backend.has_gpu():
+        if spec.placement.offload_idle and not backend.has_gpu():
             log.warning("placement.offload_idle: ignored without GPUs (frozen models stay in host memory anyway)")
         self.groups: list[RoleGroup] = []
         self.actor = self.critic = None
@@ -68,10 +67,10 @@ class Roles:
         # the frozen roles load while the trained ones are built
         self.reference, self.rewards, frozen = None, [], []
         if "reference" in p.roles:
-            self.reference = self._add(p.group("reference", FrozenWorker, d, paths["model"], "reference", idle))
+            self.reference = self._frozen("reference")
             frozen.append(self.reference.setup(wait=False))
         for i, m in enumerate(spec.rewards.models):
-            g = self._add(p.group("reward", FrozenWorker, d, m.path, "reward", idle, name=f"reward{i}"))
+            g = self._frozen(f"reward{i}")
             frozen.append(g.setup(wait=False))
             self.rewards.append((g, m.weight))
         self.form_trained(resume)
@@ -111,16 +110,12 @@ class Roles:
         old = next(g for g in self.groups if g.role == name)
         self.groups.remove(old)
         old.shutdown()
-        d, p, idle, wait = self.dict, self.placement, self.spec.placement.offload_idle, self.spec.fault.place_timeout_s
+        g = self._frozen(name, place_timeout_s=self.spec.fault.place_timeout_s, await_nodes=True)
         if name == "reference":
-            self.reference = g = self._add(p.group("reference", FrozenWorker, d, self.paths["model"], "reference", idle,
-                                                   place_timeout_s=wait, await_nodes=True))
+            self.reference = g
         else:
             i = int(name.removeprefix("reward"))
-            model = self.spec.rewards.models[i]
-            g = self._add(p.group("reward", FrozenWorker, d, model.path, "reward", idle, name=name,
-                                  place_timeout_s=wait, await_nodes=True))
-            self.rewards[i] = (g, model.weight)
+            self.rewards[i] = (g, self.rewards[i][1])
         g.setup()
         return ", ".join(sorted(set(g.call("__ray_call__", lambda w: ray.get_runtime_context().get_node_id()[:12]))))
 
@@ -147,6 +142,17 @@ class Roles:
     def layout(self) -> dict[str, str]:
         """Role -> id of the placement group it runs on (colocated roles share one)."""
         return {g.role: g.pg.id.hex()[:12] for g in self.groups}
+
+    def _frozen(self, name: str, **options) -> RoleGroup:
+        """The group of frozen role ``name`` (``reference``, or ``rewardI``: reward model I),
+        added to the job's; ``options`` go to ``RoleGroup``."""
+        idle = self.spec.placement.offload_idle
+        if name == "reference":
+            return self._add(self.placement.group("reference", FrozenWorker, self.dict, self.paths["model"],
+                                                  "reference", idle, **options))
+        model = self.spec.rewards.models[int(name.removeprefix("reward"))]
+        return self._add(self.placement.group("reward", FrozenWorker, self.dict, model.path, "reward", idle,
+                                              name=name, **options))
 
     def _add(self, group: RoleGroup) -> RoleGroup:
         self.groups.append(group)
