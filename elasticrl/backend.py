@@ -7,10 +7,13 @@ touching ``torch.cuda`` directly).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import logging
 import os
 import socket
+import sys
 from datetime import timedelta
 from functools import lru_cache
 
@@ -102,6 +105,32 @@ def set_threads(threads: int) -> None:
     """Intra-op CPU threads of this process (``train.threads``); 0 keeps what Ray gave it."""
     if threads:
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def heavy_imports():
+    """Imports of vLLM, DeepSpeed or transformers with Python's cyclic collector paused: they
+    build millions of objects and hardly any garbage, yet set off full collections, each
+    slower than the last (seconds of a vLLM engine's start went there). What they
+    built is then frozen (out of the collector's view: modules live as long as the process),
+    so the collections that libraries ask for later scan only newer objects. Nothing is frozen
+    when nothing new was imported (a restarted engine)."""
+    was, known = gc.isenabled(), len(sys.modules)
+    gc.disable()
+    try:
+        yield
+    finally:
+        if len(sys.modules) > known:
+            gc.freeze()
+        if was:
+            gc.enable()
+
+
+def import_heavy(*modules: str) -> None:
+    """Import ``modules`` (what a role's set-up is about to import) under ``heavy_imports``."""
+    with heavy_imports():
+        for name in modules:
+            importlib.import_module(name)
 
 
 def resolve_dtype(name: str) -> str:

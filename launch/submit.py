@@ -7,12 +7,14 @@ The app roles after the head are the job's placement groups of model roles, size
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -172,13 +174,35 @@ def runner():
 
 
 def dryrun(app, scheduler: str, cfg: dict):
-    info = runner().dryrun(app, scheduler, cfg=_with_defaults(scheduler, cfg))
+    with _stderr_lines() as said:  # TorchX's Slurm request runs `sinfo`, for the partition's memory
+        info = runner().dryrun(app, scheduler, cfg=_with_defaults(scheduler, cfg))
+    if said:
+        print(f"note: {said[-1].strip()} (TorchX asked sinfo for the partition's memory; the request asks "
+              "each app role for its memory regardless)", file=sys.stderr)
     if scheduler == "slurm":  # a lost node is its app role's loss, which the driver recovers from:
         for replica in info.request.replicas.values():
             replica.srun_opts.pop("kill-on-bad-exit", None)  # its task's end does not end the others',
             replica.srun_opts.pop("wait", None)              # nor a minute later,
             replica.sbatch_opts["no-kill"] = None            # nor does Slurm end the job when a node fails
     return info
+
+
+@contextlib.contextmanager
+def _stderr_lines():
+    """What child processes write to stderr during the block, as lines in the list yielded
+    (filled when the block ends), instead of on the terminal."""
+    lines: list[str] = []
+    with tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines += [ln for ln in tmp.read().decode(errors="replace").splitlines() if ln.strip()]
 
 
 def _with_defaults(scheduler: str, cfg: dict) -> dict:

@@ -61,6 +61,15 @@ def root_cause(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
+def where(_self=None) -> str:
+    """The node a Ray actor runs on, as its operator knows it: the Slurm node's name (or the
+    host's) and the Ray node's id. Called on the actor (``__ray_call__``)."""
+    import os
+
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return f"{host} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
+
+
 def _free_address(_self) -> tuple[str, int]:
     with socket.socket() as s:
         s.bind(("", 0))

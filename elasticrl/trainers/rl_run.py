@@ -13,11 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
-
 from elasticrl import backend
 from elasticrl.algorithms.normalize import RunningMoments
 from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable
+from elasticrl.cluster.group import where
 from elasticrl.data.records import Records
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import Resume, list_checkpoints
@@ -117,7 +116,7 @@ class Roles:
             i = int(name.removeprefix("reward"))
             self.rewards[i] = (g, self.rewards[i][1])
         g.setup()
-        return ", ".join(sorted(set(g.call("__ray_call__", lambda w: ray.get_runtime_context().get_node_id()[:12]))))
+        return ", ".join(sorted(set(g.call("__ray_call__", where))))
 
     def trained_groups(self, role: str, elastic: bool, make) -> RoleGroup:
         """``make(ranks, place_timeout_s)`` at the job's rank count; when ``elastic`` and those no
@@ -288,7 +287,7 @@ def score_again_after_frozen_loss(run: Run, s, exc: RoleError, before: tuple) ->
     seconds = time.time() - t0
     run.recoveries.append({"what": exc.what, "step": s.step + 1, "role": exc.role, "nodes": nodes,
                            "seconds": round(seconds, 1), "recovered_at": time.time()})
-    print(f"{exc.role} re-formed on node {nodes} in {seconds:.1f} s; scoring step {s.step + 1} again ({run.reforms} "
+    print(f"{exc.role} re-formed on {nodes} in {seconds:.1f} s; scoring step {s.step + 1} again ({run.reforms} "
           f"of fault.max_restarts {spec.fault.max_restarts})", file=sys.stderr, flush=True)
 
 

@@ -21,7 +21,7 @@ from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.spec import load_spec
 from elasticrl.trainers.batch import Experience, rows_reply, widened
-from elasticrl.trainers.worker import RankWorker
+from elasticrl.trainers.worker import TRAINER_IMPORTS, RankWorker
 
 
 def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
@@ -194,6 +194,7 @@ class FrozenWorker:
         self.offload_idle = offload_idle and backend.has_gpu()
 
     def setup(self, rank, world_size, addr, port, *_):
+        backend.import_heavy(*TRAINER_IMPORTS)
         self.rank, self.world_size = rank, world_size
         s = self.spec
         backend.set_threads(s.train.threads)

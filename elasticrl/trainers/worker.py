@@ -12,6 +12,9 @@ from elasticrl import backend
 from elasticrl.engine.rank import TrainRank
 from elasticrl.spec import load_spec
 
+# what a trainer rank's set-up imports (backend.import_heavy)
+TRAINER_IMPORTS = ("deepspeed", "transformers.models.auto.modeling_auto")
+
 
 class RankWorker:
     kind = "causal"  # or "value": a scalar head on the model (critic, reward models)
@@ -28,6 +31,7 @@ class RankWorker:
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         """Join the role's process group and build the engine (from ``resume``'s checkpoint
         folder of this role, or the model)."""
+        backend.import_heavy(*TRAINER_IMPORTS)
         self.core = TrainRank(self.spec, self.train, self.model_path, rank, world_size, addr, port, total_steps,
                               lr=self.lr, kind=self.kind, resume=resume)
         self.rank = rank

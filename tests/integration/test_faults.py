@@ -56,7 +56,8 @@ def test_a_hung_engine_is_found_by_its_deadline_and_its_prompts_served_elsewhere
     from elasticrl.rollout.pool import RolloutPool, sampling_params
     from elasticrl.trainers.sft import resolve_paths
 
-    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", ELASTIC)
+    # found after 3x (1 s + what the rate gives): ~4 s, where the default 8x waits ~10
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", ELASTIC + ["rollout.hang_factor=3"])
     pool = RolloutPool(resolve_paths(spec)["model"], spec.rollout, "fp32", spec.seed)
     try:
         prompts = [[1, 4, 7 + i % 9, 13, 78, 11, 86, 5] for i in range(16)]

@@ -23,6 +23,7 @@ from tests.integration.test_preference import (
     check_rounds_learned,
 )
 from tests.integration.test_rl import BASE as RL_BASE
+from tests.integration.test_rl import HF_ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,8 @@ def _same_after(a, b, step: int, tol: float = 0.0) -> None:
                 assert rb[s][key] == pytest.approx(ra[s][key], abs=tol, rel=0), (s, key, ra[s][key], rb[s][key])
 
 
-GRPO = RL_BASE + ["rl.num_steps=6", "checkpoint.every_steps=2", "checkpoint.keep=3", "eval.every_steps=3"]
+GRPO = RL_BASE + ["rl.num_steps=6", "checkpoint.every_steps=2", "checkpoint.keep=3", "eval.every_steps=3",
+                  HF_ENGINE]
 
 
 @pytest.fixture(scope="module")

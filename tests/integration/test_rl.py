@@ -26,6 +26,11 @@ BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "chec
         "rl.eval_samples=2", "eval.num_prompts=32", "eval.max_new_tokens=6", "rollout.max_model_len=64"]
 
 
+# the transformers engine, for runs that show the trainer, not the engine: no vLLM import (6.5-8 s
+# of a core) to wait for (tests/README.md); vLLM's runs resume exactly in PPO's resume
+HF_ENGINE = "rollout.backend=hf"
+
+
 def _rows(output) -> list[dict]:
     return [json.loads(ln) for ln in (output / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
@@ -181,8 +186,8 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
     batch of 32): the update's own log-probs are the old ones, so the ratio is exactly 1 (no
     clipping, approx_kl 0) and the forward pass before it is skipped; the run matches one
     that computes that pass (rl.old_logprobs: forward) step for step."""
-    sets = BASE + ["train.num_ranks=1", "train.global_batch_size=32", "rl.num_steps=2", "eval.enabled=false",
-                   "rl.kl_coef=0.05", "rl.kl_mode=loss", "rl.kl_estimator=k3"]
+    sets = BASE + [HF_ENGINE, "train.num_ranks=1", "train.global_batch_size=32", "rl.num_steps=2",
+                   "eval.enabled=false", "rl.kl_coef=0.05", "rl.kl_mode=loss", "rl.kl_estimator=k3"]
     runs = {}
     for mode in ("auto", "forward"):
         run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}"]), tmp_path / mode)
