@@ -146,7 +146,8 @@ def _told(handle: str, restarts: int | None) -> str:
         out += f"; restarted {restarts} time(s)" + (f", resumed from {m.group(1)}" if m else "")
     engines = sum(bool(re.search(r"rollout engine \d+ (died|stopped answering)", ln)) for ln in lines)
     trainers = sum("; recovered in " in ln for ln in lines)
-    frozen = collections.Counter(m.group(1) for ln in lines if (m := re.match(r"(\w+) re-formed on node ", ln)))
+    frozen = collections.Counter(m.group(1) for ln in lines  # trainers.rl_run.score_again_after_frozen_loss's
+                                 if (m := re.match(r"(\w+) re-formed on .+ in [\d.]+ s; scoring step ", ln)))
     if engines:
         out += f"; {engines} rollout engine(s) lost"
     if trainers:

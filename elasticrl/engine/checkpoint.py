@@ -248,3 +248,35 @@ def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype
             index = {"metadata": {"total_size": total},
                      "weight_map": {key: names[i] for i, keys in enumerate(shards) for key in keys}}
             (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def export_adapters(engine, tokenizer, folder: str | Path) -> None:
+    """Write a peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the
+    tokenizer) of a LoRA-trained model into ``folder``: the adapters only, in fp32, which peft
+    and vLLM load onto the base. ZeRO-3 gathers one adapter at a time; rank 0 writes (the
+    adapters are small). Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import GatheredParameters
+    from peft.utils import get_peft_model_state_dict
+
+    from elasticrl.weights.shards import write_safetensors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rank, model = dist.get_rank(), engine.module
+    trained = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            with GatheredParameters([p]):  # a no-op where nothing is partitioned
+                if rank == 0:
+                    trained[name] = p.detach().to(torch.float32).cpu().clone()
+    if rank == 0:
+        adapters = get_peft_model_state_dict(model, state_dict=trained)  # peft's names, without "default"
+        write_safetensors(folder / ADAPTER_WEIGHTS, [(k, v.contiguous()) for k, v in sorted(adapters.items())],
+                          {"format": "pt"})
+        model.peft_config["default"].save_pretrained(folder)
+        tokenizer.save_pretrained(folder)

@@ -20,7 +20,7 @@ from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine import state
 from elasticrl.engine.strategy import build_engine, ds_config, init_distributed
 from elasticrl.models import load_tokenizer, torch_dtype
-from elasticrl.models.load import load_causal_lm, load_value_model
+from elasticrl.models.load import load_causal_lm, load_value_model, with_lora
 from elasticrl.parallel import data_parallel_info, tensor_parallel_rank
 from elasticrl.spec import JobSpec
 from elasticrl.spec.schema import TrainSpec
@@ -47,8 +47,13 @@ class TrainRank:
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
         model = load(model_path, spec.model.trust_remote_code, cfg)  # a checkpoint's pieces replace its weights
+        self.lora = spec.model.lora.rank > 0
+        if self.lora:
+            model = with_lora(model, spec.model.lora)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+            if self.lora:  # the frozen embeddings' output must carry gradients into the checkpointed layers
+                model.enable_input_require_grads()
         self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr)
         if resume:
             state.load_engine(self.engine, resume)
@@ -143,6 +148,9 @@ class TrainRank:
         self.tokenizer.save_pretrained(folder)
 
     def export(self, folder: str) -> None:
+        if self.lora:
+            ckpt.export_adapters(self.engine, self.tokenizer, folder)
+            return
         ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,
                        torch_dtype(self.dtype))
 

@@ -98,6 +98,8 @@ def _held(engine, saving: bool, moments: bool):
     tp_rank = parallel.tensor_parallel_rank(engine.autotp_size())
     dp_rank, dp_size = parallel.data_parallel_info(engine.autotp_size())
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:  # a frozen base under LoRA: the model's folder holds it
+            continue
         local = tuple(getattr(p, "ds_shape", p.shape))
         whole, row0, col0 = list(local), 0, 0
         if id(p) in sliced:
@@ -281,7 +283,7 @@ def load_engine(engine, folder: str | Path) -> None:
         if hasattr(engine.optimizer, "update_lp_params"):  # ZeRO-1/2, bf16: gather the masters into the weights
             engine.optimizer.update_lp_params()
         for p in engine.module.parameters():
-            if hasattr(p, "ds_id"):  # ZeRO-3: this rank's weight partition from its master
+            if hasattr(p, "ds_id") and p.requires_grad:  # ZeRO-3: this rank's weight partition from its master
                 p.ds_tensor.data.copy_(engine.optimizer._get_fp32_opt_state_partition(p, False)[0])
     sched = engine.lr_scheduler
     sched.last_epoch = state["scheduler"]["last_epoch"]
@@ -305,6 +307,8 @@ def full_state(engine) -> tuple[dict, dict]:
     sliced = tp_slices(engine)
     weights, moments = {}, {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
         for key in (None, *(_ADAM_KEYS if stepped else ())):
             if _wrapped(p):
                 t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)

@@ -79,8 +79,8 @@ def make_optimizer(model: torch.nn.Module, train: TrainSpec, lr: float):
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in ({"params": decay, "weight_decay": train.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]  # LoRA: 2-D adapters only
     if train.offload_optimizer and backend.has_gpu():
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # compiled once; fast on offloaded states
 

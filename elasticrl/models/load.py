@@ -82,3 +82,14 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
                                                  use_safetensors=True, **_attention())  # never a pickled checkpoint
     del keep_alive
     return model
+
+
+def with_lora(model, lora):
+    """``model`` with peft's LoRA adapters on ``lora.target_modules`` (``model.lora``): the base
+    frozen, the adapters (B starts at zero, so the model starts as the base) trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.target_modules
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                        target_modules=targets[0] if targets == ["all-linear"] else targets)
+    return get_peft_model(model, config)

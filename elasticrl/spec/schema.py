@@ -35,6 +35,18 @@ class WorldSpec:
 
 
 @dataclass
+class LoraSpec:
+    """Low-rank adapters (peft's LoRA) on a frozen base: only they train, checkpoint and export."""
+
+    rank: int = doc("Adapter rank r; 0 trains every weight of the model.", 0, min=0)
+    alpha: float = doc("Adapter scale numerator: an adapter adds alpha / r x B A to its layer's weight.", 16.0,
+                       min=0, exclusive_min=True)
+    dropout: float = doc("Dropout on an adapter's input while training.", 0.0, min=0, max=1)
+    target_modules: list[str] = doc("Names of the linear layers that get adapters; ['all-linear']: every linear "
+                                    "layer but the output head.", factory=lambda: ["all-linear"])
+
+
+@dataclass
 class ModelSpec:
     path: Optional[str] = doc(
         "Hugging Face model folder to start from, or a Hub id ORG/NAME (resolved once, before any worker, "
@@ -48,6 +60,8 @@ class ModelSpec:
     trust_remote_code: bool = doc(
         "Let transformers run code shipped with the model. Off unless you trust its source.", False)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
+    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0): SFT trains them and final/ is a peft adapter "
+                         "folder; the RL, reward-model and preference trainers refuse them for now.", factory=LoraSpec)
 
 
 @dataclass

@@ -287,6 +287,7 @@ def score_again_after_frozen_loss(run: Run, s, exc: RoleError, before: tuple) ->
     seconds = time.time() - t0
     run.recoveries.append({"what": exc.what, "step": s.step + 1, "role": exc.role, "nodes": nodes,
                            "seconds": round(seconds, 1), "recovered_at": time.time()})
+    # (`elasticrl status` counts these lines: launch.submit._told)
     print(f"{exc.role} re-formed on {nodes} in {seconds:.1f} s; scoring step {s.step + 1} again ({run.reforms} "
           f"of fault.max_restarts {spec.fault.max_restarts})", file=sys.stderr, flush=True)
 

@@ -298,3 +298,65 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_keeps_the_previous_one
         assert check_resumable(root / "step_0000004", spec)["step"] == 4
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a killed rank may still hold a file
+
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_folder(ray_cluster, tmp_path):
+    """model.lora on 2 ranks (ZeRO-2), checkpointed at steps 4 and 8: the checkpoint holds the
+    adapters and their moments, nothing of the frozen base; resumed from step 4 on 1 rank at
+    ZeRO-3 (the base sharded while it loads), the losses are the uninterrupted run's; final/ is
+    a peft adapter folder that peft loads onto the base, with the logits of the base whose
+    weights are merged by hand (W + alpha / r x B A)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from elasticrl.engine.checkpoint import ADAPTER_WEIGHTS
+    from elasticrl.engine.state import whole_tensors
+
+    spec = _spec(*RESUME, *LORA)
+    straight = tmp_path / "straight"
+    run_sft(spec, straight)
+    base_path = resolve_paths(spec)["model"]
+    base = load_file(f"{base_path}/model.safetensors")
+    saved = whole_tensors(straight / "checkpoints" / "step_0000004" / "actor")
+    weights = {k for k in saved if not k.startswith("exp_avg")}
+    # A and B on every linear layer but the head (7 a layer in the Llama), and their two moments
+    linear = [k for k, v in base.items() if v.dim() == 2 and "embed" not in k and "lm_head" not in k]
+    assert len(weights) == 2 * len(linear) and all(".lora_A." in k or ".lora_B." in k for k in weights)
+    assert sorted(saved) == sorted({*weights, *(f"{m}.{k}" for k in weights for m in ("exp_avg", "exp_avg_sq"))})
+
+    resumed = stopped_at(straight, 4, tmp_path / "resumed")
+    summary = run_sft(_spec(*RESUME, *LORA, "train.num_ranks=1", "train.zero_stage=3", "checkpoint.resume=auto"),
+                      resumed)
+    assert summary["resumed_from"] == 4
+    a, b = _losses(straight), _losses(resumed)
+    assert a[8] < 0.9 * a[1], a  # the adapters learn
+    for step in range(5, 9):  # one rank sums the micro-batches' losses in another order
+        assert b[step] == pytest.approx(a[step], abs=1e-6), step
+
+    final = straight / "final"
+    assert {"adapter_config.json", ADAPTER_WEIGHTS} <= {p.name for p in final.iterdir()}
+    assert not list(final.glob("model*.safetensors"))
+    adapters = load_file(final / ADAPTER_WEIGHTS)
+    torch.testing.assert_close(load_file(resumed / "final" / ADAPTER_WEIGHTS), adapters, atol=1e-5, rtol=0)
+    config = json.loads((final / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    merged = {}
+    for key, w in base.items():
+        prefix = "base_model.model." + key.removesuffix(".weight")
+        if f"{prefix}.lora_A.weight" in adapters:
+            merged[key] = w + scale * adapters[f"{prefix}.lora_B.weight"] @ adapters[f"{prefix}.lora_A.weight"]
+        else:
+            merged[key] = w
+    assert sum(not torch.equal(merged[k], base[k]) for k in linear) == len(linear)  # every B trained off zero
+    by_hand = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    by_hand.load_state_dict(merged)
+    with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                                          str(final)).eval()
+    batch = pad_batch(PROBE, 0)
+    with torch.no_grad():
+        want = by_hand(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = with_peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
