@@ -6,6 +6,7 @@ a dead rank otherwise leaves its peers blocked in a collective until the timeout
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -64,8 +65,6 @@ def root_cause(exc: BaseException) -> str:
 def where(_self=None) -> str:
     """The node a Ray actor runs on, as its operator knows it: the Slurm node's name (or the
     host's) and the Ray node's id. Called on the actor (``__ray_call__``)."""
-    import os
-
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     return f"{host} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
 
