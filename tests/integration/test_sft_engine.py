@@ -127,12 +127,7 @@ def test_the_exports_load_in_vllm_with_transformers_tokens_and_log_probs(straigh
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for p in ("12+7=", "30-4=", "5+5=")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_probe.py")), json.dumps(prompts),
-                           *map(str, finals)], capture_output=True, text=True, timeout=400, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    per_folder = json.loads(lines[0][len("RESULT "):])
+    per_folder = _vllm_greedy(prompts, finals)
     assert len(per_folder) == len(finals)
     for final, results in zip(finals, per_folder):
         hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
@@ -145,6 +140,17 @@ def test_the_exports_load_in_vllm_with_transformers_tokens_and_log_probs(straigh
             hf_greedy = [int(logp[len(prompt) - 1 + i].argmax()) for i in range(len(res["token_ids"]))]
             assert res["token_ids"] == hf_greedy, final
             torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(hf_lp), atol=1e-4, rtol=0)
+
+
+def _vllm_greedy(prompts: list[list[int]], folders: list) -> list[list[dict]]:
+    """Each folder's greedy tokens and log-probs of ``prompts`` in vLLM, in a process of its own
+    (``vllm_probe.py``): a list per folder."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_probe.py")), json.dumps(prompts),
+                           *map(str, folders)], capture_output=True, text=True, timeout=400, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
 
 
 def test_zero2_zero3_and_autotp_train_the_same_model(straight, tmp_path):
@@ -308,9 +314,10 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
     adapters and their moments, nothing of the frozen base; resumed from step 4 on 1 rank at
     ZeRO-3 (the base sharded while it loads), the losses are the uninterrupted run's; final/ is
     a peft adapter folder that peft loads onto the base, with the logits of the base whose
-    weights are merged by hand (W + alpha / r x B A)."""
+    weights are merged by hand (W + alpha / r x B A), and that vLLM serves as a LoRA adapter
+    with peft's greedy tokens and log-probs."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from elasticrl.engine.checkpoint import ADAPTER_WEIGHTS
     from elasticrl.engine.state import whole_tensors
@@ -360,3 +367,16 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
         want = by_hand(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         got = with_peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    tok = AutoTokenizer.from_pretrained(final)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for p in ("12+7=", "30-4=")]
+    for prompt, res in zip(prompts, _vllm_greedy(prompts, [final])[0]):
+        assert res["token_ids"], res
+        with torch.no_grad():
+            logp = torch.log_softmax(with_peft(torch.tensor([prompt + res["token_ids"]])).logits[0].float(), -1)
+        steps = range(len(prompt) - 1, len(prompt) - 1 + len(res["token_ids"]))
+        assert res["token_ids"] == [int(logp[i].argmax()) for i in steps]
+        torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(
+            [logp[i, t].item() for i, t in zip(steps, res["token_ids"])]), atol=1e-4, rtol=0)

@@ -1,5 +1,6 @@
 """Load model folders in vLLM (CPU build here) one after another, greedy-decode the same
-prompts with each, print JSON: a list per folder.
+prompts with each, print JSON: a list per folder. A peft adapter folder (adapter_config.json)
+is served as a LoRA adapter on the base its config names.
 
 Run as a script in its own process: in-process vLLM takes over torch's thread settings and
 joins an existing torch.distributed world, which a test process must not inherit.
@@ -20,12 +21,18 @@ def main(prompts_json: str, *models: str) -> None:
     with backend.heavy_imports():  # every collection vLLM asks for would scan its modules (~0.4 s each)
         from vllm import LLM, SamplingParams
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from vllm.lora.request import LoRARequest
 
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
     results = []
     for model in models:
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=128)
-        outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params)
+        adapter = os.path.join(model, "adapter_config.json")
+        lora = json.load(open(adapter)) if os.path.isfile(adapter) else None
+        served = {"enable_lora": True, "max_lora_rank": _lora_rank(lora["r"])} if lora else {}
+        llm = LLM(model=lora["base_model_name_or_path"] if lora else model, dtype="float32", enforce_eager=True,
+                  seed=0, max_model_len=128, **served)
+        outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params,
+                            lora_request=LoRARequest("trained", 1, model) if lora else None)
         results.append([{"token_ids": list(o.outputs[0].token_ids),
                          "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
                          "text": o.outputs[0].text} for o in outs])
@@ -33,6 +40,11 @@ def main(prompts_json: str, *models: str) -> None:
         gc.collect()
         cleanup_dist_env_and_memory()  # the next LLM starts its own
     print("RESULT " + json.dumps(results), flush=True)
+
+
+def _lora_rank(r: int) -> int:
+    """The least of the ranks vLLM sizes its LoRA buffers for that holds ``r``."""
+    return next(k for k in (1, 8, 16, 32, 64, 128, 256, 320, 512) if k >= r)
 
 
 if __name__ == "__main__":
