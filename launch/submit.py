@@ -175,7 +175,8 @@ def runner():
 
 
 def dryrun(app, scheduler: str, cfg: dict):
-    with _stderr_lines() as said:  # TorchX's Slurm request runs `sinfo`, for the partition's memory
+    # TorchX's Slurm request runs `sinfo`, for the partition's memory
+    with _stderr_lines() if scheduler == "slurm" else contextlib.nullcontext([]) as said:
         info = runner().dryrun(app, scheduler, cfg=_with_defaults(scheduler, cfg))
     if said:
         print(f"note: {said[-1].strip()} (TorchX asked sinfo for the partition's memory; the request asks "

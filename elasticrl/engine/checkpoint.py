@@ -263,19 +263,19 @@ def export_adapters(engine, tokenizer, folder: str | Path) -> None:
     from deepspeed.runtime.zero import GatheredParameters
     from peft.utils import get_peft_model_state_dict
 
+    from elasticrl.engine import state
     from elasticrl.weights.shards import write_safetensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rank, model = dist.get_rank(), engine.module
-    trained = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            with GatheredParameters([p]):  # a no-op where nothing is partitioned
-                if rank == 0:
-                    trained[name] = p.detach().to(torch.float32).cpu().clone()
+    whole = {}
+    for name, p in state.trained(model):
+        with GatheredParameters([p]):  # a no-op where nothing is partitioned
+            if rank == 0:
+                whole[name] = p.detach().to(torch.float32).cpu().clone()
     if rank == 0:
-        adapters = get_peft_model_state_dict(model, state_dict=trained)  # peft's names, without "default"
+        adapters = get_peft_model_state_dict(model, state_dict=whole)  # peft's names, without "default"
         write_safetensors(folder / ADAPTER_WEIGHTS, [(k, v.contiguous()) for k, v in sorted(adapters.items())],
                           {"format": "pt"})
         model.peft_config["default"].save_pretrained(folder)

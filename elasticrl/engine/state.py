@@ -89,6 +89,12 @@ class Held:
                                                                                              b - self.start)
 
 
+def trained(module):
+    """(name, parameter) of what trains: every parameter, or under LoRA the adapters (the frozen
+    base is the model folder's, never in a checkpoint or an export)."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
 def _held(engine, saving: bool, moments: bool):
     """Held pieces of every parameter's fp32 master and (``moments``) Adam moments on this
     rank. ``saving``: replicated copies appear once (a tensor-parallel peer's and a ZeRO-0
@@ -97,9 +103,7 @@ def _held(engine, saving: bool, moments: bool):
     sliced = tp_slices(engine)
     tp_rank = parallel.tensor_parallel_rank(engine.autotp_size())
     dp_rank, dp_size = parallel.data_parallel_info(engine.autotp_size())
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad:  # a frozen base under LoRA: the model's folder holds it
-            continue
+    for name, p in trained(engine.module):
         local = tuple(getattr(p, "ds_shape", p.shape))
         whole, row0, col0 = list(local), 0, 0
         if id(p) in sliced:
@@ -282,8 +286,8 @@ def load_engine(engine, folder: str | Path) -> None:
             pieces.fill(held)
         if hasattr(engine.optimizer, "update_lp_params"):  # ZeRO-1/2, bf16: gather the masters into the weights
             engine.optimizer.update_lp_params()
-        for p in engine.module.parameters():
-            if hasattr(p, "ds_id") and p.requires_grad:  # ZeRO-3: this rank's weight partition from its master
+        for _, p in trained(engine.module):
+            if hasattr(p, "ds_id"):  # ZeRO-3: this rank's weight partition from its master
                 p.ds_tensor.data.copy_(engine.optimizer._get_fp32_opt_state_partition(p, False)[0])
     sched = engine.lr_scheduler
     sched.last_epoch = state["scheduler"]["last_epoch"]
@@ -306,9 +310,7 @@ def full_state(engine) -> tuple[dict, dict]:
         _link_states(engine)
     sliced = tp_slices(engine)
     weights, moments = {}, {}
-    for name, p in engine.module.named_parameters():
-        if not p.requires_grad:
-            continue
+    for name, p in trained(engine.module):
         for key in (None, *(_ADAM_KEYS if stepped else ())):
             if _wrapped(p):
                 t = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)

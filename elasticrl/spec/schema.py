@@ -60,8 +60,8 @@ class ModelSpec:
     trust_remote_code: bool = doc(
         "Let transformers run code shipped with the model. Off unless you trust its source.", False)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
-    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0): SFT trains them and final/ is a peft adapter "
-                         "folder; the RL, reward-model and preference trainers refuse them for now.", factory=LoraSpec)
+    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0): algorithm sft trains them and final/ is a peft "
+                         "adapter folder; every other algorithm refuses them for now.", factory=LoraSpec)
 
 
 @dataclass

@@ -120,26 +120,36 @@ def test_the_exports_load_in_vllm_with_transformers_tokens_and_log_probs(straigh
     build, one after another in a process of its own: its greedy tokens are transformers'
     argmax on the same folder, with the same log-probabilities (and transformers' logits are
     the trained engine's: the test above)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     finals = [straight / "final"] + [final for final, _ in exports.values()]
-    tok = AutoTokenizer.from_pretrained(finals[0])
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for p in ("12+7=", "30-4=", "5+5=")]
+    prompts = _chat_prompts(finals[0], ("12+7=", "30-4=", "5+5="))
     per_folder = _vllm_greedy(prompts, finals)
     assert len(per_folder) == len(finals)
     for final, results in zip(finals, per_folder):
-        hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
-        for prompt, res in zip(prompts, results):
-            assert res["token_ids"], (final, res)
-            seq = torch.tensor([prompt + res["token_ids"]])
-            with torch.no_grad():
-                logp = torch.log_softmax(hf(seq).logits[0].float(), -1)
-            hf_lp = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(res["token_ids"])]
-            hf_greedy = [int(logp[len(prompt) - 1 + i].argmax()) for i in range(len(res["token_ids"]))]
-            assert res["token_ids"] == hf_greedy, final
-            torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(hf_lp), atol=1e-4, rtol=0)
+        _greedy_as_vllm(AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval(), prompts, results)
+
+
+def _chat_prompts(folder, texts) -> list[list[int]]:
+    """``texts`` as user turns in the chat template of ``folder``'s tokenizer, token ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _greedy_as_vllm(model, prompts, results) -> None:
+    """vLLM's greedy tokens (``results``, per prompt) are ``model``'s argmax, with its
+    log-probabilities (within 1e-4)."""
+    for prompt, res in zip(prompts, results):
+        assert res["token_ids"], res
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + res["token_ids"]])).logits[0].float(), -1)
+        steps = range(len(prompt) - 1, len(prompt) - 1 + len(res["token_ids"]))
+        assert res["token_ids"] == [int(logp[i].argmax()) for i in steps]
+        torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(
+            [logp[i, t].item() for i, t in zip(steps, res["token_ids"])]), atol=1e-4, rtol=0)
 
 
 def _vllm_greedy(prompts: list[list[int]], folders: list) -> list[list[dict]]:
@@ -317,7 +327,7 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
     weights are merged by hand (W + alpha / r x B A), and that vLLM serves as a LoRA adapter
     with peft's greedy tokens and log-probs."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from elasticrl.engine.checkpoint import ADAPTER_WEIGHTS
     from elasticrl.engine.state import whole_tensors
@@ -368,15 +378,5 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
         got = with_peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
-    tok = AutoTokenizer.from_pretrained(final)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for p in ("12+7=", "30-4=")]
-    for prompt, res in zip(prompts, _vllm_greedy(prompts, [final])[0]):
-        assert res["token_ids"], res
-        with torch.no_grad():
-            logp = torch.log_softmax(with_peft(torch.tensor([prompt + res["token_ids"]])).logits[0].float(), -1)
-        steps = range(len(prompt) - 1, len(prompt) - 1 + len(res["token_ids"]))
-        assert res["token_ids"] == [int(logp[i].argmax()) for i in steps]
-        torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(
-            [logp[i, t].item() for i, t in zip(steps, res["token_ids"])]), atol=1e-4, rtol=0)
+    prompts = _chat_prompts(final, ("12+7=", "30-4="))
+    _greedy_as_vllm(with_peft, prompts, _vllm_greedy(prompts, [final])[0])
