@@ -14,7 +14,13 @@ Figures are medians of --repeats syncs after a first that allocates. memcpy is a
 the same number of bytes in a trainer process, measured in the same run. Prints JSON lines;
 the last holds the headline figures.
 
-  .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders] [--size 50m] [--repeats 3]
+``--suite lora``: a LoRA-trained policy (``model.lora``, rank --lora-rank) into a vLLM engine that
+serves its adapters (``rollout.lora_sync: adapter``: each sync moves the adapters) and into one
+that takes merged weights (``merged``: each sync moves every weight), over shm; then each engine's
+generation speed on the same prompts (the adapters cost compute on every token). The two
+alternate, --repeats rounds.
+
+  .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders|lora] [--size 50m] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -33,16 +39,19 @@ def _memcpy(_worker, nbytes: int, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", default="transports", choices=("transports", "senders"))
+    ap.add_argument("--suite", default="transports", choices=("transports", "senders", "lora"))
     ap.add_argument("--size", default="50m", help="embedded world model preset")
     ap.add_argument("--buckets", default="16,64,256", help="bucket sizes in MiB (transports)")
     ap.add_argument("--transports", default=None, help="default: shm,shm_staged,broadcast,files for the "
                     "transports suite, shm,ipc,broadcast for senders (ipc runs over /dev/shm on CPU)")
     ap.add_argument("--modes", default="dense,packed", help="CPU engine modes to measure (transports)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, default=16, help="adapter rank (lora)")
     args = ap.parse_args()
     if args.suite == "senders":
         return senders(args)
+    if args.suite == "lora":
+        return lora(args)
     args.transports = args.transports or "shm,shm_staged,broadcast,files"
 
     from elasticrl import backend
@@ -155,6 +164,57 @@ def senders(args) -> None:
             headline[f"{kind}/memcpy_gbps"] = round(memcpy, 3)
             trainer.shutdown()
             pool.shutdown()
+    print(json.dumps(headline))
+
+
+def lora(args) -> None:
+    import time
+
+    from elasticrl.cluster import RoleGroup
+    from elasticrl.cluster.session import ray_session
+    from elasticrl.rollout.pool import RolloutPool
+    from elasticrl.spec import load_spec, spec_to_dict
+    from elasticrl.spec.schema import RaySpec
+    from elasticrl.trainers.sft import SFTWorker, resolve_paths
+
+    spec = load_spec({}, [f"world.model_size={args.size}", "model.dtype=fp32", "train.num_ranks=1",
+                          "train.zero_stage=0", "train.micro_batch_size=4", "train.global_batch_size=4",
+                          f"model.lora.rank={args.lora_rank}", "rollout.max_model_len=128",
+                          "rollout.lora_sync=adapter"])
+    paths = resolve_paths(spec)
+    prompts = [[1, 4 + i % 50, 5 + i % 7, 6] for i in range(64)]
+    sampling = {"temperature": 1.0, "max_tokens": 64, "ignore_eos": True}
+    sync: dict[str, list] = {"adapter": [], "merged": []}
+    speed: dict[str, list] = {"adapter": [], "merged": []}
+    with ray_session(RaySpec(num_cpus=4)):
+        trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
+        trainer.setup(10)
+        trainer.call("train_step", 0)  # adapters that are not zero
+        pools = {"adapter": RolloutPool(paths["model"], spec.rollout, "fp32", seed=0, lora_rank=args.lora_rank),
+                 "merged": RolloutPool(paths["model"], spec.rollout, "fp32", seed=0)}
+        version = 0
+        for _ in range(args.repeats):  # the two alternate: both see the same machine
+            for how, pool in pools.items():
+                trainer.call("attach_rollout", pool.engines, pool.infos, "shm", 64, None, "auto", how == "adapter")
+                for _ in range(2):  # the first allocates buffers and maps arenas: not counted
+                    version += 1
+                    stats = trainer.call("sync_weights", version)[0]
+                trainer.call("detach_rollout")
+                sync[how].append(stats)
+                t0 = time.time()
+                tokens = sum(len(r.token_ids) for r in pool.generate(prompts, sampling))
+                speed[how].append(tokens / (time.time() - t0))
+        for pool in pools.values():
+            pool.shutdown()
+        trainer.shutdown()
+    headline = {"benchmark": "weight_sync_lora", "size": args.size, "lora_rank": args.lora_rank}
+    for how in ("adapter", "merged"):
+        row = {"measure": "lora", "lora_sync": how, "gbytes": round(sync[how][-1]["sync/gbytes"], 6),
+               "layout": sync[how][-1]["sync/layout"],
+               "seconds": round(statistics.median(s["sync/seconds"] for s in sync[how]), 4),
+               "tokens_per_s": round(statistics.median(speed[how]), 1)}
+        print(json.dumps(row), flush=True)
+        headline.update({f"{how}/{k}": row[k] for k in ("gbytes", "seconds", "tokens_per_s")})
     print(json.dumps(headline))
 
 

@@ -251,32 +251,101 @@ def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+LORA_BASE = "lora_base.json"  # in a LoRA checkpoint: the base its adapters belong to
+
+
+def base_identity(model_path: str) -> dict:
+    """The frozen base of a LoRA run: its folder and a fingerprint of its weight files (their
+    names, sizes and safetensors headers, and 16 evenly spread 64 KiB samples of each: read in
+    milliseconds, where a whole hash of a 7B model would read 14 GB)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            h.update(head + fh.read(int.from_bytes(head, "little")))
+            for k in range(16):
+                fh.seek(size * k // 16)
+                h.update(fh.read(2**16))
+    return {"path": str(model_path), "fingerprint": h.hexdigest()}
+
+
+def check_base(folder: str | Path, model_path: str) -> None:
+    """Refuse to resume adapters onto another base than the one they were trained on."""
+    saved = Path(folder) / LORA_BASE
+    if not saved.is_file():
+        return
+    was, now = read_json(saved, "resume from a checkpoint written whole"), base_identity(model_path)
+    if was["fingerprint"] != now["fingerprint"]:
+        raise ValueError(f"checkpoint {folder}: its LoRA adapters were trained on the base {was['path']}, and "
+                         f"model.path {model_path} holds other weights; resume with that base, or set "
+                         "checkpoint.resume: null to start over")
 
 
 def export_adapters(engine, tokenizer, folder: str | Path) -> None:
     """Write a peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the
     tokenizer) of a LoRA-trained model into ``folder``: the adapters only, in fp32, which peft
-    and vLLM load onto the base. ZeRO-3 gathers one adapter at a time; rank 0 writes (the
-    adapters are small). Collective: every rank calls it."""
-    import torch
-    import torch.distributed as dist
-    from deepspeed.runtime.zero import GatheredParameters
-    from peft.utils import get_peft_model_state_dict
-
-    from elasticrl.engine import state
+    and vLLM load onto the base; rank 0 writes (the adapters are small). Collective."""
     from elasticrl.weights.shards import write_safetensors
+    from elasticrl.weights.sync import adapter_tensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rank, model = dist.get_rank(), engine.module
-    whole = {}
-    for name, p in state.trained(model):
-        with GatheredParameters([p]):  # a no-op where nothing is partitioned
-            if rank == 0:
-                whole[name] = p.detach().to(torch.float32).cpu().clone()
-    if rank == 0:
-        adapters = get_peft_model_state_dict(model, state_dict=whole)  # peft's names, without "default"
+    adapters = adapter_tensors(engine)
+    if adapters:
         write_safetensors(folder / ADAPTER_WEIGHTS, [(k, v.contiguous()) for k, v in sorted(adapters.items())],
                           {"format": "pt"})
-        model.peft_config["default"].save_pretrained(folder)
+        engine.module.peft_config["default"].save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+
+
+def export_merged(engine, tokenizer, folder: Path, max_shard_bytes: int, dtype) -> None:
+    """A LoRA-trained model as a plain Hugging Face folder, its adapters merged into the base
+    weights (``export.merge``): the weights the engines get under ``rollout.lora_sync: merged``
+    (``weights.sync.iter_full_params``: ZeRO-3 gathers one module at a time), written by rank 0
+    a shard at a time. Collective."""
+    import torch.distributed as dist
+
+    from elasticrl.weights.shards import INDEX, SINGLE, write_safetensors
+    from elasticrl.weights.sync import iter_full_params
+
+    rank0 = dist.get_rank() == 0
+    folder.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[str, list[str]]] = []  # (temporary file name, its tensors' names)
+    part: list = []
+
+    def flush() -> None:
+        name = f"part-{len(written)}.safetensors"
+        write_safetensors(folder / name, part, {"format": "pt"})
+        written.append((name, [n for n, _ in part]))
+        part.clear()
+
+    size = total = 0
+    for name, t in iter_full_params(engine):
+        if not rank0:
+            continue
+        t = t.to(dtype).cpu().contiguous()
+        n = t.numel() * t.element_size()
+        if part and size + n > max_shard_bytes:
+            flush()
+            size = 0
+        part.append((name, t))
+        size, total = size + n, total + n
+    if not rank0:
+        return
+    flush()
+    names = [SINGLE] if len(written) == 1 else [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+                                                for i in range(len(written))]
+    for (tmp, _), final in zip(written, names):
+        (folder / tmp).rename(folder / final)
+    if len(written) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {key: final for (_, keys), final in zip(written, names) for key in keys}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = engine.module.get_base_model().config
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

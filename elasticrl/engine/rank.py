@@ -6,6 +6,7 @@ The Ray worker classes of each trainer hold one and add their own step functions
 """
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 import warnings
@@ -19,6 +20,7 @@ from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine import state
 from elasticrl.engine.strategy import build_engine, ds_config, init_distributed
+from elasticrl.files import write_text
 from elasticrl.models import load_tokenizer, torch_dtype
 from elasticrl.models.load import load_causal_lm, load_value_model, with_lora
 from elasticrl.parallel import data_parallel_info, tensor_parallel_rank
@@ -47,7 +49,7 @@ class TrainRank:
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
         model = load(model_path, spec.model.trust_remote_code, cfg)  # a checkpoint's pieces replace its weights
-        self.lora = spec.model.lora.rank > 0
+        self.lora = spec.model.lora.rank > 0 and kind == "causal"  # a critic trains every weight
         if self.lora:
             model = with_lora(model, spec.model.lora)
         if spec.model.gradient_checkpointing:
@@ -55,6 +57,9 @@ class TrainRank:
             if self.lora:  # the frozen embeddings' output must carry gradients into the checkpointed layers
                 model.enable_input_require_grads()
         self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr)
+        self.model_path = model_path
+        if resume and self.lora:
+            ckpt.check_base(resume, model_path)
         if resume:
             state.load_engine(self.engine, resume)
             rng = Path(resume) / f"rng_rank{rank}.safetensors"
@@ -146,23 +151,29 @@ class TrainRank:
     def _save_model_files(self, folder: str) -> None:
         self.engine.module.config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
+        if self.lora:
+            write_text(Path(folder) / ckpt.LORA_BASE, json.dumps(ckpt.base_identity(self.model_path)))
 
     def export(self, folder: str) -> None:
         if self.lora:
             ckpt.export_adapters(self.engine, self.tokenizer, folder)
+            if self.spec.export.merge:
+                ckpt.export_merged(self.engine, self.tokenizer, Path(folder) / "merged",
+                                   self.spec.export.max_shard_size_mb * 2**20, torch_dtype(self.dtype))
             return
         ckpt.export_hf(self.engine, self.tokenizer, folder, self.spec.export.max_shard_size_mb * 2**20,
                        torch_dtype(self.dtype))
 
     # --- weights into rollout engines ---------------------------------------------------
     def attach_rollout(self, engines: list, infos: list[dict], transport: str, bucket_mb: int,
-                       files_dir: str | None = None, layout: str = "auto") -> str:
+                       files_dir: str | None = None, layout: str = "auto", adapters: bool = False) -> str:
         """A weight sender into ``engines`` (collective); ``layout`` "gathered" makes rank 0 send
-        every tensor whole even where slices could go (benchmarks compare the two)."""
+        every tensor whole even where slices could go (benchmarks compare the two); ``adapters``:
+        the engines serve LoRA adapters, and each sync sends only those."""
         from elasticrl.weights.sync import WeightSender
 
         self.sender = WeightSender(self.engine, engines, infos, transport, bucket_mb * 2**20,
-                                   self.train.comm_timeout_s, files_dir, layout)
+                                   self.train.comm_timeout_s, files_dir, layout, adapters)
         return self.sender.transport
 
     def sync_weights(self, version: int) -> dict:

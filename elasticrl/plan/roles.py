@@ -60,7 +60,7 @@ def _model_roles(spec: JobSpec) -> dict[str, Role]:
         r = spec.rollout
         roles["rollout"] = Role("lm", r.num_engines, cpus=r.cpus_per_engine, gpus=r.tp_size)
     if alg.family == "rl":
-        if spec.rl.kl_coef > 0:
+        if spec.rl.kl_coef > 0 and not spec.model.lora.rank:  # under LoRA the base is the reference: the actor's
             roles["reference"] = Role("lm", p.reference_ranks or n)
         if alg.critic:
             roles["critic"] = Role("value", spec.critic.num_ranks)

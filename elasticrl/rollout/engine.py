@@ -11,6 +11,9 @@ generated with.
 vLLM's CPU build has no sleep mode. On CPU ``sleep`` either keeps the engine resident
 (``cpu_sleep: keep``, the default; logged once with the memory it keeps) or shuts it down
 and ``wake`` starts it again (``cpu_sleep: restart``; the next sync brings the weights).
+
+An engine built with ``lora_rank`` serves a LoRA-trained policy as vLLM's LoRA: its base weights
+are the model folder's for good, each sync brings the adapters, and every request uses them.
 """
 from __future__ import annotations
 
@@ -31,8 +34,9 @@ SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_tokens", "stop", "mi
 class RolloutEngine:
     def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
                  cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, kv_cache_gib: float,
-                 trust_remote_code: bool):
+                 trust_remote_code: bool, lora_rank: int = 0):
         self.model_path = model_path
+        self.lora_rank = lora_rank
         self.args = dict(tp_size=tp_size, dtype=backend.resolve_dtype(dtype), seed=seed, max_model_len=max_model_len,
                          gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
                          trust_remote_code=trust_remote_code)
@@ -51,6 +55,8 @@ class RolloutEngine:
 
         a = self.args
         t0 = time.time()
+        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_rank_bucket(self.lora_rank)} \
+            if self.lora_rank else {}
         self.llm = LLM(model=self.model_path, tensor_parallel_size=a["tp_size"], dtype=_VLLM_DTYPE[a["dtype"]],
                        # a restarted engine must not replay the samples of its first life
                        seed=a["seed"] + 1000 * self.incarnation, max_model_len=a["max_model_len"],
@@ -63,8 +69,10 @@ class RolloutEngine:
                        # An engine's TP workers live on its node, as processes of this actor
                        # (inside Ray, vLLM would otherwise pick its Ray executor).
                        distributed_executor_backend="mp" if a["tp_size"] > 1 else None,
-                       **backend.rollout_kwargs(a["gpu_memory_utilization"], a["kv_cache_gib"], a["max_model_len"]))
-        self.prepared = self.llm.collective_rpc("erl_prepare", args=(self.model_path, self.cpu_mode))[0]
+                       **lora, **backend.rollout_kwargs(a["gpu_memory_utilization"], a["kv_cache_gib"],
+                                                        a["max_model_len"]))
+        self.prepared = self.llm.collective_rpc(  # served adapters leave the base weights as loaded
+            "erl_prepare", args=(self.model_path, "lora" if self.lora_rank else self.cpu_mode))[0]
         self.start_seconds = time.time() - t0
         self.incarnation += 1
 
@@ -89,7 +97,7 @@ class RolloutEngine:
                   for i in range(len(prompts))]
         self.wake()  # the KV cache, when the hybrid loop woke only the weights for a sync
         outs, version = self.gate.run(lambda: self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self._adapter()))
         results = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -104,9 +112,18 @@ class RolloutEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         self.wake()
         outs, version = self.gate.run(lambda: self.llm.generate(
-            [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False))
+            [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False, lora_request=self._adapter()))
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
                 for o, s in zip(outs, sequences)], version
+
+    def _adapter(self):
+        """The trained adapter's request once a sync brought it (before, the base is the policy:
+        a new adapter adds nothing); its path only names the base (the tensors came by sync)."""
+        from vllm.lora.request import LoRARequest
+
+        from elasticrl.rollout.worker_ext import ADAPTER_ID
+
+        return LoRARequest("elasticrl", ADAPTER_ID, self.model_path) if self.lora_rank and self.gate.version else None
 
     # --- weights ------------------------------------------------------------------------
     def begin_sync(self) -> int:
@@ -120,8 +137,9 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         self.gate.finish(version)
 
-    def load_shm(self, path: str, nbytes: int, metas: list) -> int:
-        return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas))[0]
+    def load_shm(self, path: str, nbytes: int, metas: list, adapter: dict | None = None) -> int:
+        """A staged bucket of weights, or (``adapter``: its peft config) the adapter's tensors."""
+        return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas, adapter))[0]
 
     def copy_plans(self) -> list[dict]:
         """Per worker, in tensor-parallel rank order: where each checkpoint tensor lands in it.
@@ -154,14 +172,14 @@ class RolloutEngine:
                    timeout_s: int) -> None:
         self.llm.collective_rpc("erl_join_group", args=(addr, port, rank_offset, world_size, backend_name, timeout_s))
 
-    def load_broadcast(self, metas: list, nbytes: int) -> int:
-        return self.llm.collective_rpc("erl_load_broadcast", args=(metas, nbytes))[0]
+    def load_broadcast(self, metas: list, nbytes: int, adapter: dict | None = None) -> int:
+        return self.llm.collective_rpc("erl_load_broadcast", args=(metas, nbytes, adapter))[0]
 
     def leave_group(self) -> None:
         self.llm.collective_rpc("erl_leave_group")
 
-    def load_files(self, folder: str) -> int:
-        return self.llm.collective_rpc("erl_load_files", args=(folder,))[0]
+    def load_files(self, folder: str, adapter: dict | None = None) -> int:
+        return self.llm.collective_rpc("erl_load_files", args=(folder, adapter))[0]
 
     def worker_weights(self) -> list[dict]:
         return self.llm.collective_rpc("erl_state_dict")
@@ -255,6 +273,11 @@ class SyncGate:
 
 
 _VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def lora_rank_bucket(r: int) -> int:
+    """The least of the ranks vLLM sizes its LoRA buffers for that holds ``r``."""
+    return next(k for k in (1, 8, 16, 32, 64, 128, 256, 320, 512) if k >= r)
 
 
 def _rss_gib() -> float:

@@ -20,7 +20,7 @@ from elasticrl.weights import receive
 class HFRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
                  cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, kv_cache_gib: float,
-                 trust_remote_code: bool):
+                 trust_remote_code: bool, lora_rank: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if tp_size != 1:
@@ -111,7 +111,9 @@ class HFRolloutEngine:
         return self.gate.run(run)
 
     # --- weights: the staged transports ----------------------------------------------------
-    def _load(self, weights) -> int:
+    def _load(self, weights, adapter: dict | None = None) -> int:
+        if adapter is not None:
+            raise ValueError("weight sync: the transformers engine takes merged weights, not adapters")
         for name, t in weights:
             if name not in self.params:
                 raise ValueError(f"weight sync: {name!r} is not a parameter of the rollout model")
@@ -128,8 +130,8 @@ class HFRolloutEngine:
     def copy_plans(self) -> list[dict]:
         return [{"plans": {}, "unplanned": ["(transformers engine)"]}]
 
-    def load_shm(self, path: str, nbytes: int, metas: list) -> int:
-        return self._load(receive.from_shm(self._buffers, path, nbytes, metas))
+    def load_shm(self, path: str, nbytes: int, metas: list, adapter: dict | None = None) -> int:
+        return self._load(receive.from_shm(self._buffers, path, nbytes, metas), adapter)
 
     def release_shm(self, path: str) -> None:
         self._buffers.pop(path, None)
@@ -139,16 +141,16 @@ class HFRolloutEngine:
 
         self._group = new_group(addr, port, rank_offset, world_size, backend_name, timeout_s)
 
-    def load_broadcast(self, metas: list, nbytes: int) -> int:
-        return self._load(receive.from_broadcast(self._group, metas, nbytes, backend.current_device()))
+    def load_broadcast(self, metas: list, nbytes: int, adapter: dict | None = None) -> int:
+        return self._load(receive.from_broadcast(self._group, metas, nbytes, backend.current_device()), adapter)
 
     def leave_group(self) -> None:
         self._group = None
 
-    def load_files(self, folder: str) -> int:
+    def load_files(self, folder: str, adapter: dict | None = None) -> int:
         from elasticrl.weights.shards import iter_tensors
 
-        return self._load(list(iter_tensors(folder)))
+        return self._load(list(iter_tensors(folder)), adapter)
 
     def sleep(self) -> dict:
         return {"slept": "kept", "seconds": 0.0}

@@ -74,17 +74,21 @@ class RolloutPool:
     boundary, where the trainer re-attaches its weight sender (``changed``)."""
 
     def __init__(self, model_path: str, spec: RolloutSpec, dtype: str, seed: int, trust_remote_code: bool = False,
-                 where: dict | None = None, wait: bool = True):
+                 where: dict | None = None, wait: bool = True, lora_rank: int = 0):
         """``where``: the RoleGroup placement options (``cluster.Placement.options('rollout')``);
         by default each engine gets its own devices. ``wait=False``: return while the engines
-        start (the caller builds its other roles meanwhile) and call ``ready`` before use."""
+        start (the caller builds its other roles meanwhile) and call ``ready`` before use.
+        ``lora_rank``: the policy trains LoRA adapters of this rank, which vLLM engines serve as
+        adapters under ``rollout.lora_sync`` adapter (auto: on GPUs), else they get merged weights."""
         self.spec = spec
+        adapters = spec.lora_sync == "adapter" or (spec.lora_sync == "auto" and backend.has_gpu())
+        self.lora_rank = lora_rank if adapters and backend.uses_vllm(spec.backend) else 0
         env = backend.rollout_env(spec.tp_size, spec.cpus_per_engine)
         where = where or {"gpus_per_rank": spec.tp_size, "cpus_per_rank": spec.cpus_per_engine}
         self.group = RoleGroup(
             "rollout", engine_class(spec.backend), spec.num_engines, model_path, spec.tp_size, dtype, seed,
             spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, spec.kv_cache_gib,
-            trust_remote_code,
+            trust_remote_code, self.lora_rank,
             **where,
             # Threads let generation wait while a weight sync is in progress (see engine.py).
             actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})
@@ -98,7 +102,7 @@ class RolloutPool:
         self.events: list[str] = []              # what happened, for the driver's console
         self.step: int | None = None             # the step being rolled out (for the events)
         self._rate = 0.0                         # tokens per second of one engine, measured
-        self._sender = None                      # (trainer group, transport, bucket MiB, files dir)
+        self._sender = None                      # (trainer group, attach_rollout's arguments)
         self.version = 0                         # the weight version the engines hold
         if wait:
             self.ready()
@@ -230,8 +234,8 @@ class RolloutPool:
     # --- the trainer's weights into the live engines ----------------------------------------
     def attach(self, trainer, transport: str, bucket_mb: int, files_dir: str) -> str:
         """Give the trainer's ranks (a RoleGroup) a weight sender into the live engines."""
-        self._sender = (trainer, transport, bucket_mb, files_dir)
-        return trainer.call("attach_rollout", self.engines, self.infos, transport, bucket_mb, files_dir)[0]
+        self._sender = (trainer, transport, bucket_mb, files_dir, "auto", bool(self.lora_rank))
+        return trainer.call("attach_rollout", self.engines, self.infos, *self._sender[1:])[0]
 
     def detach(self) -> None:
         self._sender[0].call("detach_rollout")

@@ -9,12 +9,17 @@ the dense copy, so ``load_weights`` has nowhere to write. ``erl_prepare`` gives 
 layers dense weights again and then either computes with them directly (``dense``: on
 CPUs without AMX/AVX512-BF16 the packed GEMM is within ~10 % of MKL's, and a sync becomes
 a plain copy) or repacks the changed layers after every sync (``packed``).
+
+Engines serving a LoRA-trained policy (``rollout.lora_sync: adapter``) keep their base weights
+and receive only the adapters, which replace adapter ``ADAPTER_ID`` in vLLM's LoRA manager.
 """
 from __future__ import annotations
 
 import torch
 
 from elasticrl.weights import receive, shm
+
+ADAPTER_ID = 1  # the trained adapter's id in vLLM: each sync replaces it in place
 
 
 class WeightReceiver:
@@ -24,13 +29,14 @@ class WeightReceiver:
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def erl_prepare(self, model_path: str, cpu_mode: str) -> dict:
-        """Make every weight writable by ``load_weights``; returns what was done."""
+        """Make every weight writable by ``load_weights``; returns what was done. ``cpu_mode``
+        "lora": the engine serves adapters, its weights stay as they are."""
         from vllm.platforms import current_platform
 
         self._erl_buffers: dict[str, torch.Tensor] = {}
         self._erl_group = None
-        if not current_platform.is_cpu():
-            return {"mode": "gpu", "recreated": 0}
+        if cpu_mode == "lora" or not current_platform.is_cpu():
+            return {"mode": "lora" if cpu_mode == "lora" else "gpu", "recreated": 0}
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
         from elasticrl.weights.shards import iter_tensors
@@ -64,11 +70,38 @@ class WeightReceiver:
             self._erl_repack(self._erl_model())
 
     # --- transports ---------------------------------------------------------------------
-    def erl_load_shm(self, path: str, nbytes: int, metas: list[tuple[str, str, list[int], int]]) -> int:
-        """Load tensors laid out in a same-node staging buffer: (name, dtype, shape, offset)."""
-        weights = receive.from_shm(self._erl_buffers, path, nbytes, metas)
-        self._erl_model().load_weights(weights)
+    def erl_load_shm(self, path: str, nbytes: int, metas: list[tuple[str, str, list[int], int]],
+                     adapter: dict | None = None) -> int:
+        """Load tensors laid out in a same-node staging buffer: (name, dtype, shape, offset);
+        with ``adapter`` (a peft config) they are a LoRA adapter's, all of them."""
+        return self._erl_load(receive.from_shm(self._erl_buffers, path, nbytes, metas), adapter)
+
+    def _erl_load(self, weights: list[tuple[str, torch.Tensor]], adapter: dict | None) -> int:
+        if adapter is None:
+            self._erl_model().load_weights(weights)
+        else:
+            self._erl_set_adapter(weights, adapter)
         return receive.nbytes_of(weights)
+
+    def _erl_set_adapter(self, weights: list[tuple[str, torch.Tensor]], config: dict) -> None:
+        """Replace adapter ``ADAPTER_ID`` with these tensors (peft names) in vLLM's LoRA manager,
+        as vLLM's in-place reload does from a folder."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        workers = self.model_runner.lora_manager
+        manager, model = workers._adapter_manager, workers._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": workers.max_position_embeddings})
+        helper.validate_legal(workers.lora_config)
+        lora = LoRAModel.from_lora_tensors(
+            ADAPTER_ID, {n: t.clone() for n, t in weights}, helper, device="cpu",  # the buffers are reused
+            dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        manager.remove_adapter(ADAPTER_ID)
+        manager.add_adapter(lora)
+        manager.activate_adapter(ADAPTER_ID)
 
     def erl_copy_plans(self, model_path: str) -> dict:
         """For each checkpoint tensor, the copies vLLM's ``load_weights`` makes from it into this
@@ -169,22 +202,21 @@ class WeightReceiver:
 
         return get_tensor_model_parallel_rank()
 
-    def erl_load_broadcast(self, metas: list[tuple[str, str, list[int], int]], nbytes: int) -> int:
+    def erl_load_broadcast(self, metas: list[tuple[str, str, list[int], int]], nbytes: int,
+                           adapter: dict | None = None) -> int:
         """Receive one bucket broadcast from rank 0 of the weight group, then load it (the
-        gathered path: a full tensor each, sliced by vLLM's loaders)."""
+        gathered path: a full tensor each, sliced by vLLM's loaders; or an adapter's tensors)."""
         weights = receive.from_broadcast(self._erl_group, metas, nbytes, next(self._erl_model().parameters()).device)
-        self._erl_model().load_weights(weights)
+        self._erl_load(weights, adapter)
         return nbytes
 
     def erl_leave_group(self) -> None:
         self._erl_group = None
 
-    def erl_load_files(self, folder: str) -> int:
+    def erl_load_files(self, folder: str, adapter: dict | None = None) -> int:
         from elasticrl.weights.shards import iter_tensors
 
-        weights = list(iter_tensors(folder))
-        self._erl_model().load_weights(weights)
-        return receive.nbytes_of(weights)
+        return self._erl_load(list(iter_tensors(folder)), adapter)
 
     def erl_state_dict(self) -> dict[str, list]:
         """This worker's weights, small models only (tests compare slices with the trainer's)."""

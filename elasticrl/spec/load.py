@@ -248,9 +248,9 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     if t.offload_optimizer and t.zero_stage == 0:
         raise SpecError("train.offload_optimizer", "needs train.zero_stage >= 1")
     if spec.model.lora.rank:
-        if spec.algorithm != "sft":
-            raise SpecError("model.lora.rank", f"adapters train with algorithm sft so far, not {spec.algorithm}; "
-                                               "set model.lora.rank: 0 to train every weight")
+        if spec.algorithm != "sft" and ALGORITHMS[spec.algorithm].family != "rl":
+            raise SpecError("model.lora.rank", f"adapters train with algorithm sft and the RL algorithms so far, not "
+                                               f"{spec.algorithm}; set model.lora.rank: 0 to train every weight")
         if t.tp_size > 1:
             raise SpecError("model.lora.rank", "adapters do not train under AutoTP; set train.tp_size: 1 (ZeRO-3 "
                                                "shards the frozen base instead)")

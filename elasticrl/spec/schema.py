@@ -159,6 +159,12 @@ class RolloutSpec:
         "slice to slice (each trainer rank sends its AutoTP slice, replicas feed different engines); "
         "'shm_staged' goes through staging buffers, 'files' sharded safetensors; 'auto' picks shm on "
         "one CPU node, ipc on one GPU node, else broadcast.", "auto")
+    lora_sync: Literal["auto", "adapter", "merged"] = doc(
+        "With model.lora: 'adapter' sends only the adapters each sync and vLLM engines serve them as LoRA "
+        "(their base weights stay as loaded); 'merged' sends full weights with the adapters merged in "
+        "(W + alpha / r x B A), which the engines use like any weights (the transformers engine always "
+        "takes them merged). 'auto': adapter on GPUs, merged on CPU engines (vLLM's CPU LoRA kernels "
+        "generated 2.3x slower than merged weights, benchmarks/weight_sync.py --suite lora).", "auto")
     bucket_mb: int = doc("Bytes per weight-sync bucket, in MiB (one collective or load per bucket).", 64, min=1)
     max_restarts: int = doc("Engines the job may start again after one died or hung (elasticity L2: its "
                             "prompts go to the live engines, a replacement joins at a step boundary).", 3, min=0)
@@ -435,6 +441,8 @@ class FaultSpec:
 class ExportSpec:
     enabled: bool = doc("Write the final model as a Hugging Face folder (OUTPUT/final).", True)
     max_shard_size_mb: int = doc("Largest safetensors shard, in MB.", 2000, min=1)
+    merge: bool = doc("With model.lora: also write the model with its adapters merged into the base weights, a "
+                      "plain Hugging Face folder (OUTPUT/final/merged), next to the adapter folder final/.", False)
 
 
 @dataclass

@@ -11,8 +11,8 @@ from elasticrl.spec import JobSpec
 
 
 def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals, verify) -> dict:
-    """Held-out accuracy of greedy answers, and pass@k of ``rl.eval_samples`` sampled ones, as
-    ``verify(prompts, completions, answers)`` (the job's verifier) scores them."""
+    """Held-out accuracy of greedy answers, and pass@k and mean accuracy of ``rl.eval_samples``
+    sampled ones, as ``verify(prompts, completions, answers)`` (the job's verifier) scores them."""
     k = spec.rl.eval_samples
 
     def right(results: list[Sample]) -> list[bool]:
@@ -26,8 +26,9 @@ def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]]
     out = {"eval/accuracy": sum(right(greedy)) / len(eval_ids)}
     if k > 1:
         sampled = pool.generate(eval_ids, {**sampling_params(spec, None, spec.eval.max_new_tokens), "n": k})
-        hit = [False] * len(eval_ids)
-        for r, ok in zip(sampled, right(sampled)):
+        hit, oks = [False] * len(eval_ids), right(sampled)
+        for r, ok in zip(sampled, oks):
             hit[r.prompt_index] |= ok
         out[f"eval/pass@{k}"] = sum(hit) / len(eval_ids)
+        out[f"eval/mean@{k}"] = sum(oks) / len(oks)  # the sampled answers' accuracy: steadier than greedy's
     return out

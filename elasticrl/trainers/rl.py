@@ -377,6 +377,8 @@ def _start_model_passes(run: Run, batch_ref) -> dict:
         out["old_logprobs"] = (roles.actor.call("logprobs", batch_ref, wait=False), "logprobs")
     if roles.reference is not None:
         out["ref_logprobs"] = (roles.reference.call("score", batch_ref, wait=False), "values")
+    elif run.spec.rl.kl_coef > 0:  # LoRA: the reference is the actor's model with its adapters off
+        out["ref_logprobs"] = (roles.actor.call("base_logprobs", batch_ref, wait=False), "logprobs")
     if roles.critic is not None:
         out["old_values"] = (roles.critic.call("values", batch_ref, wait=False), "values")
     return out
@@ -389,6 +391,9 @@ def _model_passes(run: Run, s: Step, rewards: torch.Tensor, passes: dict) -> tor
     for key, (wait, field_name) in passes.items():
         setattr(batch, key, gather_rows(wait(), field_name))
     mask = batch.response_mask
+    if batch.old_logprobs is not None:  # the acid test at every step: the engines' log-probs against the trainer's
+        gap = (behaviour_logprobs(s.results, batch) - batch.old_logprobs) * mask
+        s.info["rollout/logprob_gap"] = gap.abs().max().item()
     token_rewards = last_token_rewards(rewards, mask)
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:  # else the update reports the KL
         kl = KL_ESTIMATORS[rl.kl_estimator](batch.old_logprobs, batch.ref_logprobs) * mask

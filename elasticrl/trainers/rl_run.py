@@ -61,7 +61,8 @@ class Roles:
         t0 = time.time()
         # the engines start first and load while the trained and frozen roles are built
         self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
-                                spec.model.trust_remote_code, where=p.options("rollout"), wait=False)
+                                spec.model.trust_remote_code, where=p.options("rollout"), wait=False,
+                                lora_rank=spec.model.lora.rank)
         self.groups.append(self.pool.group)
         # the frozen roles load while the trained ones are built
         self.reference, self.rewards, frozen = None, [], []

@@ -79,6 +79,13 @@ class ActorWorker(_TrainedRole):
         share, lp = self._forward_all(batch, lambda mb: token_logprobs(self._logits(mb), mb.labels, T))
         return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
 
+    @torch.no_grad()
+    def base_logprobs(self, batch: Experience) -> dict:
+        """The reference's log-probs under LoRA (``model.lora``): the base, the model with its
+        adapters switched off, in this process (no reference role, no copy of the weights)."""
+        with self.core.engine.module.disable_adapter():
+            return self.logprobs(batch)
+
     def _logits(self, mb: Experience) -> torch.Tensor:
         return self.core.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
 

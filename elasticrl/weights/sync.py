@@ -25,6 +25,11 @@ Transports, chosen by ``transport_for`` from where the two sides live:
   GPU): point-to-point buckets of pieces when sliced, one broadcast per bucket when gathered.
 - ``files``: sharded safetensors in a folder both sides see (checkpoint-style, slowest).
 
+A LoRA-trained policy (``model.lora``) goes either merged (its adapters merged into the base
+weights, under the base's names, by any of the above) or, to engines that serve adapters
+(``rollout.lora_sync: adapter``), as the adapters alone: gathered to rank 0, one bucket staged
+in shared memory (``shm``, ``ipc``, ``shm_staged``), broadcast, or written as files.
+
 A sync is atomic for the engines: they refuse to generate between ``begin_sync`` and
 ``finish_sync(version)``.
 """
@@ -67,13 +72,37 @@ def transport_for(requested: str, one_node: bool) -> str:
 
 def _modules(ds_engine):
     """(module name, module, its own parameters) with each parameter once (a tied head is the
-    embedding's tensor: it goes under its first name)."""
+    embedding's tensor: it goes under its first name), under the model's Hugging Face names. A
+    LoRA layer (``model.lora``) is one module with its base and adapter parameters, which
+    ``_sent`` merges."""
     seen = set()
     for mod_name, module in ds_engine.module.named_modules():
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        params = [(n, p) for n, p in module.named_parameters(recurse=_is_lora(module)) if id(p) not in seen]
         seen |= {id(p) for _, p in params}
         if params:
-            yield mod_name, module, params
+            yield mod_name.removeprefix("base_model.model."), module, params
+
+
+def _is_lora(module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
+
+
+def _sent(module, params) -> list[tuple[str, torch.Tensor]]:
+    """What a module sends (parameters gathered): its parameters, or a LoRA layer's base weights
+    with the adapters merged in (W + alpha / r x B A, peft's delta)."""
+    if not _is_lora(module):
+        return [(name, p.detach()) for name, p in params]
+    base = module.get_base_layer()
+    merged = base.weight + sum(module.get_delta_weight(a).to(base.weight.dtype) for a in module.active_adapters)
+    return [("weight", merged.detach())] + ([("bias", base.bias.detach())] if base.bias is not None else [])
+
+
+def _sent_shapes(module, params) -> list[tuple[str, torch.Tensor]]:
+    """``_sent``'s (name, parameter whose shape it has), without gathering."""
+    if not _is_lora(module):
+        return params
+    base = module.get_base_layer()
+    return [("weight", base.weight)] + ([("bias", base.bias)] if base.bias is not None else [])
 
 
 def _full_name(mod_name: str, name: str) -> str:
@@ -91,9 +120,9 @@ def iter_full_params(ds_engine) -> Iterator[tuple[str, torch.Tensor | None]]:
     tp = ds_engine.autotp_size() > 1
     if not stage3 and not tp:
         if rank0:
-            for mod_name, _, params in _modules(ds_engine):
-                for name, p in params:
-                    yield _full_name(mod_name, name), p.detach()
+            for mod_name, module, params in _modules(ds_engine):
+                for name, t in _sent(module, params):
+                    yield _full_name(mod_name, name), t
         return
     import deepspeed
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
@@ -102,8 +131,8 @@ def iter_full_params(ds_engine) -> Iterator[tuple[str, torch.Tensor | None]]:
         tensors = [p for _, p in params]
         with deepspeed.zero.GatheredParameters(tensors, enabled=stage3), \
                 GatherReplacedLayerParams(tensors, module, enabled=tp):
-            for name, p in params:
-                yield _full_name(mod_name, name), (p.detach() if rank0 else None)
+            for name, t in _sent(module, params):
+                yield _full_name(mod_name, name), (t if rank0 else None)
 
 
 def iter_local_params(ds_engine) -> Iterator[tuple[str, torch.Tensor]]:
@@ -112,10 +141,10 @@ def iter_local_params(ds_engine) -> Iterator[tuple[str, torch.Tensor]]:
     import deepspeed
 
     stage3 = ds_engine.zero_optimization_stage() == 3
-    for mod_name, _, params in _modules(ds_engine):
+    for mod_name, module, params in _modules(ds_engine):
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=stage3):
-            for name, p in params:
-                yield _full_name(mod_name, name), p.detach().contiguous()
+            for name, t in _sent(module, params):
+                yield _full_name(mod_name, name), t.contiguous()
 
 
 def trainer_layouts(ds_engine) -> dict[str, slices.Layout]:
@@ -124,7 +153,7 @@ def trainer_layouts(ds_engine) -> dict[str, slices.Layout]:
     cuts = parallel.autotp_cuts(ds_engine)
     layouts = {}
     for mod_name, module, params in _modules(ds_engine):
-        for name, p in params:
+        for name, p in _sent_shapes(module, params):
             local = list(getattr(p, "ds_shape", p.shape))
             cut = cuts.get(id(p))
             if cut is None:
@@ -138,6 +167,23 @@ def trainer_layouts(ds_engine) -> dict[str, slices.Layout]:
     return layouts
 
 
+def adapter_tensors(engine) -> dict:
+    """A LoRA-trained model's adapters under peft's names (without the adapter's name), fp32 on
+    the CPU, on rank 0 ({} elsewhere): ZeRO-3 gathers one adapter at a time. Collective."""
+    from deepspeed.runtime.zero import GatheredParameters
+    from peft.utils import get_peft_model_state_dict
+
+    rank, model = dist.get_rank(), engine.module
+    whole = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:  # the frozen base
+            continue
+        with GatheredParameters([p]):  # a no-op where nothing is partitioned
+            if rank == 0:
+                whole[name] = p.detach().to(torch.float32).cpu().clone()
+    return get_peft_model_state_dict(model, state_dict=whole) if rank == 0 else {}
+
+
 def max_param_bytes(ds_engine) -> int:
     tp = max(1, ds_engine.autotp_size())
     return max(getattr(p, "ds_numel", p.numel()) * p.element_size() * tp for p in ds_engine.module.parameters())
@@ -147,8 +193,9 @@ class WeightSender:
     """Held by every trainer rank, with every engine; built collectively (``attach_rollout``)."""
 
     def __init__(self, ds_engine, engines: list, engine_infos: list[dict], transport: str, bucket_bytes: int,
-                 timeout_s: int, files_dir: str | None = None, layout: str = "auto"):
+                 timeout_s: int, files_dir: str | None = None, layout: str = "auto", adapters: bool = False):
         self.engines = engines
+        self.adapters = _peft_config(ds_engine) if adapters else None
         self.infos = engine_infos
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
@@ -235,12 +282,16 @@ class WeightSender:
         dist.broadcast(changed, 0)
         if changed.item() or self.sliced is None:  # an engine restarted: its buffers and processes are new
             self._release_targets()
-            self._prepare()
-            if self.rank == 0:
-                self._incarnations = incarnations
+            if self.adapters is None:
+                self._prepare()
+            else:
+                self.sliced = False
+        if self.rank == 0:
+            self._incarnations = incarnations
         sent = 0
         try:
-            sent = self._sync_sliced(ds_engine) if self.sliced else self._sync_gathered(ds_engine)
+            sent = self._sync_adapters(ds_engine) if self.adapters else \
+                self._sync_sliced(ds_engine) if self.sliced else self._sync_gathered(ds_engine)
         except Exception as exc:  # noqa: BLE001 - raised by _agree, on every rank
             error = exc
         by_rank = [_ints([0]) for _ in range(self.world)]
@@ -253,7 +304,7 @@ class WeightSender:
         total = sum(int(b) for b in by_rank)
         stats = {"sync/seconds": seconds, "sync/gbytes": total / 1e9, "sync/transport": self.transport,
                  "sync/gbps": total / 1e9 / seconds if seconds else 0.0, "sync/version": version,
-                 "sync/layout": "sliced" if self.sliced else "gathered",
+                 "sync/layout": "adapters" if self.adapters else "sliced" if self.sliced else "gathered",
                  "sync/sent_gbytes_by_rank": [int(b) / 1e9 for b in by_rank]}
         if self.transport == "shm":
             stats["sync/shm_mode"] = self.shm_mode  # "direct", or "staged" when plans were missing
@@ -308,6 +359,16 @@ class WeightSender:
                 pass
         return params.nbytes * len(self.engines)  # what reached the engines, as the sliced path counts
 
+    def _sync_adapters(self, ds_engine) -> int:
+        """The adapters only, in one bucket from rank 0, which each engine loads as its adapter."""
+        params = _Counted(sorted(adapter_tensors(ds_engine).items()))
+        if self.rank != 0:
+            return 0
+        size = sum(shm.aligned(t.numel() * t.element_size()) for _, t in params.items)
+        send = {"broadcast": self._send_broadcast, "files": self._send_files}.get(self.transport, self._send_staged)
+        send(params, size, self.adapters)
+        return params.nbytes * len(self.engines)
+
     def _open_arenas(self, wanted) -> dict[int, list[Arena]]:
         """Map the parameters of every worker of the ``wanted`` engines (once per incarnation)."""
         if self._arenas is None:
@@ -336,14 +397,14 @@ class WeightSender:
                                      "checkpoint; the engines must start from the trainer's model")
                 replay(plan, t, arena)
 
-    def _send_staged(self, params, size: int) -> None:
+    def _send_staged(self, params, size: int, adapter: dict | None = None) -> None:
         if not self._buffers or self._buffers[0][1].numel() < size:
             self._release_buffers()
             self._buffers = [shm.create(size, "stage") for _ in range(2)]
         pending: list[list] = [[], []]
         for k, (metas, _) in enumerate(_fill_buckets(params, [b for _, b in self._buffers], size)):
             path, _ = self._buffers[k % 2]
-            pending[k % 2] = [e.load_shm.remote(path, size, metas) for e in self.engines]
+            pending[k % 2] = [e.load_shm.remote(path, size, metas, adapter) for e in self.engines]
             # Before the trainer refills the other buffer, its previous load must be done.
             ray.get(pending[(k + 1) % 2])
             pending[(k + 1) % 2] = []
@@ -385,17 +446,17 @@ class WeightSender:
                                         order, self.bucket_bytes)
                 for w, pieces in enumerate(self.pieces[engine])}
 
-    def _send_broadcast(self, params, size: int) -> None:
+    def _send_broadcast(self, params, size: int, adapter: dict | None = None) -> None:
         self._ensure_group(1)
         buf = torch.empty(size, dtype=torch.uint8, device=backend.current_device())
         refs = []
         for metas, nbytes in _fill_buckets(params, [buf], size):
-            refs += [e.load_broadcast.remote(metas, nbytes) for e in self.engines]
+            refs += [e.load_broadcast.remote(metas, nbytes, adapter) for e in self.engines]
             broadcast(self._group, buf[:nbytes])
         ray.get(refs)
 
     # --- files --------------------------------------------------------------------------
-    def _send_files(self, params, size: int) -> None:
+    def _send_files(self, params, size: int, adapter: dict | None = None) -> None:
         from elasticrl.files import atomic_folder
         from elasticrl.weights.shards import save_sharded
 
@@ -404,7 +465,7 @@ class WeightSender:
         final = root / f"v{self._files_seq:06d}"
         with atomic_folder(final) as tmp:
             save_sharded({name: t.to("cpu", copy=True) for name, t in params}, tmp, size)
-        ray.get([e.load_files.remote(str(final)) for e in self.engines])
+        ray.get([e.load_files.remote(str(final), adapter) for e in self.engines])
         for old in root.glob("v*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
@@ -430,6 +491,13 @@ class WeightSender:
         self._release_targets()
         if self.rank == 0:
             self._release_buffers()
+
+
+def _peft_config(ds_engine) -> dict:
+    """The trained adapter's peft config as plain JSON values (vLLM's PEFTHelper reads it)."""
+    import json
+
+    return json.loads(json.dumps(ds_engine.module.peft_config["default"].to_dict(), default=sorted))
 
 
 def _each_piece(tensors, by_name: dict, copy) -> int:

@@ -324,15 +324,16 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
     adapters and their moments, nothing of the frozen base; resumed from step 4 on 1 rank at
     ZeRO-3 (the base sharded while it loads), the losses are the uninterrupted run's; final/ is
     a peft adapter folder that peft loads onto the base, with the logits of the base whose
-    weights are merged by hand (W + alpha / r x B A), and that vLLM serves as a LoRA adapter
-    with peft's greedy tokens and log-probs."""
+    weights are merged by hand (W + alpha / r x B A), as has final/merged (export.merge) in
+    plain transformers, and that vLLM serves as a LoRA adapter with peft's greedy tokens and
+    log-probs."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from elasticrl.engine.checkpoint import ADAPTER_WEIGHTS
+    from elasticrl.engine.checkpoint import ADAPTER_WEIGHTS, LORA_BASE, check_base
     from elasticrl.engine.state import whole_tensors
 
-    spec = _spec(*RESUME, *LORA)
+    spec = _spec(*RESUME, *LORA, "export.merge=true")
     straight = tmp_path / "straight"
     run_sft(spec, straight)
     base_path = resolve_paths(spec)["model"]
@@ -343,6 +344,8 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
     linear = [k for k, v in base.items() if v.dim() == 2 and "embed" not in k and "lm_head" not in k]
     assert len(weights) == 2 * len(linear) and all(".lora_A." in k or ".lora_B." in k for k in weights)
     assert sorted(saved) == sorted({*weights, *(f"{m}.{k}" for k in weights for m in ("exp_avg", "exp_avg_sq"))})
+    assert json.loads((straight / "checkpoints" / "step_0000004" / "actor" / LORA_BASE).read_text())["path"] == \
+        str(base_path)
 
     resumed = stopped_at(straight, 4, tmp_path / "resumed")
     summary = run_sft(_spec(*RESUME, *LORA, "train.num_ranks=1", "train.zero_stage=3", "checkpoint.resume=auto"),
@@ -376,7 +379,13 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
     with torch.no_grad():
         want = by_hand(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         got = with_peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        exported = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
+        plain = exported(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain, want, atol=1e-5, rtol=0)
+    # the checkpoint names its base: resuming onto other weights is refused
+    with pytest.raises(ValueError, match="LoRA adapters were trained on the base .* holds other weights"):
+        check_base(straight / "checkpoints" / "step_0000004" / "actor", str(final / "merged"))
 
     prompts = _chat_prompts(final, ("12+7=", "30-4="))
     _greedy_as_vllm(with_peft, prompts, _vllm_greedy(prompts, [final])[0])

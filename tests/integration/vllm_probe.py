@@ -17,6 +17,7 @@ def main(prompts_json: str, *models: str) -> None:
     import gc
 
     from elasticrl import backend
+    from elasticrl.rollout.engine import lora_rank_bucket
 
     with backend.heavy_imports():  # every collection vLLM asks for would scan its modules (~0.4 s each)
         from vllm import LLM, SamplingParams
@@ -28,7 +29,7 @@ def main(prompts_json: str, *models: str) -> None:
     for model in models:
         adapter = os.path.join(model, "adapter_config.json")
         lora = json.load(open(adapter)) if os.path.isfile(adapter) else None
-        served = {"enable_lora": True, "max_lora_rank": _lora_rank(lora["r"])} if lora else {}
+        served = {"enable_lora": True, "max_lora_rank": lora_rank_bucket(lora["r"])} if lora else {}
         llm = LLM(model=lora["base_model_name_or_path"] if lora else model, dtype="float32", enforce_eager=True,
                   seed=0, max_model_len=128, **served)
         outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params,
@@ -40,11 +41,6 @@ def main(prompts_json: str, *models: str) -> None:
         gc.collect()
         cleanup_dist_env_and_memory()  # the next LLM starts its own
     print("RESULT " + json.dumps(results), flush=True)
-
-
-def _lora_rank(r: int) -> int:
-    """The least of the ranks vLLM sizes its LoRA buffers for that holds ``r``."""
-    return next(k for k in (1, 8, 16, 32, 64, 128, 256, 320, 512) if k >= r)
 
 
 if __name__ == "__main__":

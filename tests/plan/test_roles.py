@@ -24,6 +24,9 @@ def _spec(algorithm, *overrides):
     # GRPO without KL: actor + engines; with it a reference of its own (3 ranks)
     ("grpo", ["rollout.num_engines=2"], {"actor": 2, "rollout": 2}, [], 5),
     ("grpo", ["rl.kl_coef=0.1", "placement.reference_ranks=3"], {"actor": 2, "rollout": 1, "reference": 3}, [], 7),
+    # with LoRA the reference is the base, the actor's own model with its adapters off: no role
+    ("grpo", ["rl.kl_coef=0.1", "model.lora.rank=8", "placement.colocate=actor_ref"], {"actor": 2, "rollout": 1},
+     [], 4),
     # PPO, two reward models of 2 ranks each beside a 1-rank critic: 2 + 1 + 2 + 1 + 2 x 2 + 1
     ("ppo", ["rl.kl_coef=0.1", "placement.reward_ranks=2", "rewards.models=[{path: a}, {path: b}]"],
      {"actor": 2, "rollout": 1, "reference": 2, "critic": 1, "reward": 2}, [], 11),
