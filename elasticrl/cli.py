@@ -98,6 +98,8 @@ def launch(
     gpus: int = typer.Option(0, "--gpus", help="GPUs to plan for (with --gpu-mem); 0: size pools in CPUs."),
     gpu_mem: float = typer.Option(0, "--gpu-mem", help="Memory of one GPU, GB."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes the GPUs are spread over."),
+    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="Host memory per node, GB, checked by the plan "
+                                             "(local_cwd: this machine's by default)."),
     role_nodes: Optional[List[str]] = typer.Option(None, "--role-nodes", help="Without --gpus: NAME=N spreads app "
                                                    "role NAME's CPUs over N nodes (repeatable; default 1 each)."),
     image: Optional[str] = typer.Option(None, "--image", help="Working dir (local_cwd, slurm) or container image."),
@@ -132,7 +134,11 @@ def launch(
         job = load_spec(raw, check_paths=scheduler == "local_cwd")
         plan = None
         if gpus:
-            plan = plan_job(job, Inventory(gpus, gpu_mem, nodes), explicit_fields(raw))
+            if host_mem is None and scheduler == "local_cwd":
+                from elasticrl.plan.cpu import available_gb
+
+                host_mem = available_gb("MemTotal")
+            plan = plan_job(job, Inventory(gpus, gpu_mem, nodes, host_mem), explicit_fields(raw))
             typer.echo(render(plan))
             sets += plan.overrides()
             job = load_spec(read_raw(spec, sets), check_paths=False)  # as planned

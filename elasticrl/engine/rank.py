@@ -49,9 +49,9 @@ class TrainRank:
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
         model = load(model_path, spec.model.trust_remote_code, cfg)  # a checkpoint's pieces replace its weights
-        self.lora = spec.model.lora.rank > 0 and kind == "causal"  # a critic trains every weight
+        self.lora = spec.model.lora.rank > 0
         if self.lora:
-            model = with_lora(model, spec.model.lora)
+            model = with_lora(model, spec.model.lora, value_head=kind == "value")
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora:  # the frozen embeddings' output must carry gradients into the checkpointed layers

@@ -63,7 +63,8 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
 
 
 def token_values(model, input_ids, attention_mask):
-    """Scalar head applied at every position: [B, T]."""
+    """Scalar head applied at every position: [B, T] (of a LoRA critic: its adapters, its head)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
     base = getattr(model, model.base_model_prefix)
     hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
@@ -84,12 +85,14 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
     return model
 
 
-def with_lora(model, lora):
+def with_lora(model, lora, value_head: bool = False):
     """``model`` with peft's LoRA adapters on ``lora.target_modules`` (``model.lora``): the base
-    frozen, the adapters (B starts at zero, so the model starts as the base) trainable."""
+    frozen, the adapters (B starts at zero, so the model starts as the base) trainable; a value
+    model's (``value_head``) scalar head trains whole, without an adapter."""
     from peft import LoraConfig, get_peft_model
 
     targets = lora.target_modules
+    head = {"modules_to_save": ["score"], "exclude_modules": ["score"]} if value_head else {}
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                        target_modules=targets[0] if targets == ["all-linear"] else targets)
+                        target_modules=targets[0] if targets == ["all-linear"] else targets, **head)
     return get_peft_model(model, config)

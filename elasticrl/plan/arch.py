@@ -41,6 +41,16 @@ class Arch:
         out = (0 if self.tied else embed) if head == "lm" else self.hidden
         return embed + self.layers * self.layer_params() + self.hidden + out
 
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """LoRA adapters of rank r: r x (in + out) per adapted linear layer (``targets``: peft's
+        module names, or ['all-linear']: the seven of each decoder layer, not the head)."""
+        kv = self.kv_heads * self.head_dim
+        shapes = {"q_proj": (self.hidden, self.hidden), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                  "o_proj": (self.hidden, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+                  "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        chosen = shapes if targets == ["all-linear"] else {k: v for k, v in shapes.items() if k in targets}
+        return rank * self.layers * sum(i + o for i, o in chosen.values())
+
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """KV cache of one token over all layers: K and V, kv_heads x head_dim each."""
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value

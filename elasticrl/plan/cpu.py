@@ -44,11 +44,13 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
-def available_gb() -> float | None:
+def available_gb(field: str = "MemAvailable") -> float | None:
+    """This machine's available (or, ``field="MemTotal"``, installed) memory in GiB; None where
+    /proc/meminfo is missing."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 2**20
     except OSError:
         pass

@@ -30,6 +30,7 @@ class TrainConfig:
     micro_batch: int
     checkpointing: bool
     tp: int = 1
+    adapters: int = 0  # LoRA: the parameters that train (adapters, a critic's head; the base frozen); 0: all
 
 
 def model_states(params: float, n: int, zero_stage: int, offload_optimizer: bool = False,
@@ -93,11 +94,19 @@ def forward_activations(arch: Arch, micro_batch: int, seq: int, head: str = "lm"
 @lru_cache(maxsize=None)
 def trained_role(arch: Arch, head: str, n: int, cfg: TrainConfig, seq: int,
                  offload_idle: bool = False) -> dict[str, float]:
-    """GPU bytes by phase of a DeepSpeed-trained role (actor: head 'lm', critic: 'value'). With
+    """GPU bytes by phase of a DeepSpeed-trained role (actor: head 'lm', critic: 'value'); with
+    LoRA (``cfg.adapters``) the base's weights are 16-bit and frozen (no gradients or Adam
+    states), the adapters have all three, and activations are the full model's. With
     ``offload_idle`` the gradients and optimizer states (moments and master weights) wait in
     host memory through rollout and experience (DeepSpeed's ``offload_states``)."""
     params = arch.params(head) / cfg.tp
-    states = model_states(params, n // cfg.tp, cfg.zero_stage, cfg.offload_optimizer, cfg.offload_params)
+    if cfg.adapters:  # LoRA: the frozen base's 16-bit weights (sharded by ZeRO-3), the adapters' full states
+        states = model_states(cfg.adapters, n, cfg.zero_stage, cfg.offload_optimizer)
+        base = model_states(params, n, cfg.zero_stage, offload_params=cfg.offload_params)
+        states["params"] += base["params"]
+        states["host"] += base["host"]
+    else:
+        states = model_states(params, n // cfg.tp, cfg.zero_stage, cfg.offload_optimizer, cfg.offload_params)
     resident = states["params"] + states["grads"] + states["optimizer"] + CONTEXT_BYTES
     idle = states["grads"] + states["optimizer"] if offload_idle else 0.0
     working = zero3_working_set(arch) / cfg.tp if cfg.zero_stage == 3 else 0.0

@@ -12,6 +12,7 @@ them. Everything it decides comes back as ``--set`` overrides, so a plan is a sp
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from elasticrl.plan.memory import (
 )
 from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
 from elasticrl.spec.algorithms import ALGORITHMS
+from elasticrl.spec.load import lora_refusal
 from elasticrl.spec.schema import JobSpec
 
 PLANNED = ("train.num_ranks", "train.zero_stage", "train.offload_optimizer", "train.offload_params",
@@ -117,6 +119,7 @@ class _Job:
     gen_tokens: float
     reward_models: int
     params: float
+    adapters: int = 0      # LoRA: the adapters' parameters of each trained model; 0 trains every weight
 
 
 def plan_job(spec: JobSpec, inventory: Inventory, pinned: dict | None = None) -> Plan:
@@ -145,9 +148,15 @@ def _job(spec: JobSpec, inventory: Inventory, pinned: dict) -> _Job:
     if alg.family == "rounds":  # a round's sampling, spread over its training steps
         r = spec.rounds
         gen = r.prompts_per_round * spec.rl.samples_per_prompt * spec.rl.max_new_tokens / r.steps_per_round
-    roles = job_roles(spec)
+    roles, lora = job_roles(spec), spec.model.lora
     return _Job(spec, arch, {r: x.head for r, x in roles.items()}, inventory, pinned, seq,
-                per_step * seq * spec.rl.epochs, gen, roles["reward"].copies if "reward" in roles else 1, arch.params())
+                per_step * seq * spec.rl.epochs, gen, roles["reward"].copies if "reward" in roles else 1, arch.params(),
+                arch.lora_params(lora.rank, lora.target_modules))
+
+
+def _trained(job: _Job, role: str) -> int:
+    """Parameters that train in ``role`` under LoRA (a critic's value head trains whole); 0: all."""
+    return job.adapters + (job.arch.hidden if role == "critic" else 0) if job.adapters else 0
 
 
 def _train_configs(job: _Job) -> list[tuple[TrainConfig, float]]:
@@ -256,9 +265,7 @@ def _search(job: _Job) -> Plan | None:
     layouts = list(_layouts(job))
     for key, neg_mbs, _, li, ci in queue:
         coloc, ranks, engines, tp = layouts[li]
-        cfg = configs[ci][0]
-        cfg = TrainConfig(cfg.zero_stage, cfg.offload_optimizer, cfg.offload_params, -neg_mbs, cfg.checkpointing,
-                          cfg.tp)
+        cfg = dataclasses.replace(configs[ci][0], micro_batch=-neg_mbs)
         for idle in idle_opts:
             plan = _evaluate(job, cfg, coloc, ranks, engines, tp, idle)
             if plan is not None:
@@ -274,7 +281,8 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
     mem: dict[str, dict] = {}
     for role, head in job.roles.items():
         if role in ("actor", "critic"):
-            mem[role] = trained_role(a, head, ranks[role], cfg, job.seq, offload_idle)
+            mem[role] = trained_role(a, head, ranks[role], dataclasses.replace(cfg, adapters=_trained(job, role)),
+                                     job.seq, offload_idle)
         elif role in ("reference", "reward"):
             mem[role] = frozen_role(a, head, ranks[role], cfg.zero_stage == 3, offload_idle, cfg.micro_batch,
                                     job.seq)
@@ -305,7 +313,7 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
     copied = state_copies(bool(ck.every_steps and ck.background), bool(fault.memory_copy_steps))
     for role, head in job.roles.items():
         if role in ("actor", "critic"):
-            host[role] += copied * ADAM_BYTES * a.params(head)
+            host[role] += copied * ADAM_BYTES * (_trained(job, role) or a.params(head))
     if inv.host_mem_gb is not None and sum(host.values()) > inv.host_mem_gb * GB * inv.nodes:
         return None
     settings = _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util)
@@ -370,10 +378,17 @@ def _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util) -> dict:
 def _explain(spec: JobSpec, inv: Inventory, pinned: dict, job: _Job) -> str:
     """Why nothing fits, and the smallest change that would."""
     a = job.arch
-    reason = _obstacle(job) or ("the roles do not fit together on this many GPUs (a role needs GPUs of its own "
-                                "unless colocated)" if inv.host_mem_gb is None else
-                                "the roles do not fit together, or their offloaded states exceed the host memory")
+    reason = _obstacle(job) or "the roles do not fit together on this many GPUs (a role needs GPUs of its own " \
+        "unless colocated)"
     fixes = []
+    unbounded = Inventory(inv.gpus, inv.gpu_mem_gb, inv.nodes)
+    if inv.host_mem_gb is not None and not _obstacle(job) and fits(spec, unbounded, pinned):
+        need = plan_job(spec, unbounded, pinned).host_bytes / GB / inv.nodes
+        reason = (f"the GPUs fit it only with states offloaded to host memory, {need:.0f} GB per node in the "
+                  f"fastest such placement, and the host has {inv.host_mem_gb:g} GB")
+        lora = _with_lora(spec)
+        if lora is not None and fits(lora, inv, pinned):
+            fixes.append("LoRA (model.lora.rank: 16: adapters train on the frozen base, which is the reference)")
     if pinned and fits(spec, inv, {}):
         fixes.append("unpin " + ", ".join(sorted(pinned)) + " and let the planner choose")
     more = _fewest_gpus(spec, inv, pinned)
@@ -386,6 +401,13 @@ def _explain(spec: JobSpec, inv: Inventory, pinned: dict, job: _Job) -> str:
     size = f"{a.params() / 1e9:.1f}B" if a.params() >= 1e9 else f"{a.params() / 1e6:.1f}M"
     return (f"no placement of this {spec.algorithm} job ({size} parameters) fits {inv.gpus} x {inv.gpu_mem_gb:g} GB: "
             f"{reason}. Smallest change that fits: {' or '.join(fixes) if fixes else 'none found up to 64x the GPUs'}")
+
+
+def _with_lora(spec: JobSpec) -> JobSpec | None:
+    """The job with rank-16 LoRA adapters, where it has none and could."""
+    lora = dataclasses.replace(spec, model=dataclasses.replace(
+        spec.model, lora=dataclasses.replace(spec.model.lora, rank=16)))
+    return None if spec.model.lora.rank or lora_refusal(lora) else lora
 
 
 def _fewest_gpus(spec: JobSpec, inv: Inventory, pinned: dict) -> int | None:
@@ -417,7 +439,8 @@ def _obstacle(job: _Job) -> str | None:
     leanest = TrainConfig(3, True, True, 1, True, job.spec.train.tp_size)
     for role in ("actor", "critic"):
         if role in job.roles:
-            m = trained_role(a, job.roles[role], inv.gpus, leanest, job.seq)
+            m = trained_role(a, job.roles[role], inv.gpus, dataclasses.replace(leanest, adapters=_trained(job, role)),
+                             job.seq)
             if m["train"] > gpu:
                 return (f"the {role} alone needs {m['train'] / GB:.1f} GB per GPU in training even with ZeRO-3, "
                         f"parameter and optimizer offload, checkpointing and micro-batch 1 on all {inv.gpus} GPUs")

@@ -232,6 +232,16 @@ def _convert_section(cls, value: Any, path: str):
     return cls(**kwargs)
 
 
+def lora_refusal(spec: JobSpec) -> str | None:
+    """Why this job cannot train LoRA adapters (with the fix), or None when it can."""
+    if spec.algorithm != "sft" and ALGORITHMS[spec.algorithm].family != "rl":
+        return (f"adapters train with algorithm sft and the RL algorithms so far, not {spec.algorithm}; set "
+                "model.lora.rank: 0 to train every weight")
+    if spec.train.tp_size > 1:
+        return "adapters do not train under AutoTP; set train.tp_size: 1 (ZeRO-3 shards the frozen base instead)"
+    return None
+
+
 def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     t = spec.train
     if t.num_ranks % t.tp_size:
@@ -247,13 +257,8 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
                                                 "parameters on every rank)")
     if t.offload_optimizer and t.zero_stage == 0:
         raise SpecError("train.offload_optimizer", "needs train.zero_stage >= 1")
-    if spec.model.lora.rank:
-        if spec.algorithm != "sft" and ALGORITHMS[spec.algorithm].family != "rl":
-            raise SpecError("model.lora.rank", f"adapters train with algorithm sft and the RL algorithms so far, not "
-                                               f"{spec.algorithm}; set model.lora.rank: 0 to train every weight")
-        if t.tp_size > 1:
-            raise SpecError("model.lora.rank", "adapters do not train under AutoTP; set train.tp_size: 1 (ZeRO-3 "
-                                               "shards the frozen base instead)")
+    if spec.model.lora.rank and lora_refusal(spec):
+        raise SpecError("model.lora.rank", lora_refusal(spec))
     alg = ALGORITHMS[spec.algorithm]
     rl = spec.rl
     if alg.family == "rl":

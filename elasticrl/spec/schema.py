@@ -60,8 +60,10 @@ class ModelSpec:
     trust_remote_code: bool = doc(
         "Let transformers run code shipped with the model. Off unless you trust its source.", False)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
-    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0): algorithm sft trains them and final/ is a peft "
-                         "adapter folder; every other algorithm refuses them for now.", factory=LoraSpec)
+    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0) on the frozen model, for sft and the RL algorithms (the "
+                         "actor and a PPO critic, whose value head trains whole; the KL's reference is the base): "
+                         "final/ is a peft adapter folder. The other trainers refuse them for now.",
+                         factory=LoraSpec)
 
 
 @dataclass

@@ -300,3 +300,25 @@ def test_grpo_with_lora_syncs_adapters_into_vllm_learns_and_takes_the_base_as_it
         assert row["sync/layout"] != "adapters" and round(row["sync/gbytes"] * 1e9) == base, row
         assert row["rollout/logprob_gap"] <= 1e-4, row
     assert _steps(merged)[3]["kl"] > 1e-3
+
+
+def test_ppo_with_lora_trains_adapters_in_the_actor_and_the_critic_whose_head_trains_whole(ray_cluster, tmp_path):
+    """PPO with model.lora (3 steps; the transformers engine takes merged weights): no reference
+    role; the actor's and the critic's checkpoints hold their adapters with their Adam moments,
+    and the critic's its value head (trained whole), nothing of the frozen bases."""
+    from elasticrl.engine.state import whole_tensors
+
+    sets = BASE + PPO + [HF_ENGINE, "train.num_ranks=1", "model.lora.rank=4", "checkpoint.every_steps=3"]
+    summary = run_rl(load_spec(EXAMPLES / "tiny_ppo.yaml", sets), tmp_path / "run")
+    assert {"actor", "critic"} <= set(summary["placement"]) and "reference" not in summary["placement"]
+    for role in ("actor", "critic"):
+        saved = whole_tensors(tmp_path / "run" / "checkpoints" / "step_0000003" / role)
+        weights = {k for k in saved if not k.startswith("exp_avg")}
+        adapters = {k for k in weights if ".lora_A." in k or ".lora_B." in k}
+        head = weights - adapters
+        assert adapters and sorted(saved) == sorted({*weights, *(f"{m}.{k}" for k in weights
+                                                                  for m in ("exp_avg", "exp_avg_sq"))})
+        assert (len(head), all("score.modules_to_save" in k for k in head)) == ((1, True) if role == "critic"
+                                                                                  else (0, True)), head
+    steps = _steps(tmp_path / "run")
+    assert all(r["value_loss"] > 0 for r in steps.values()) and steps[3]["kl"] != 0.0

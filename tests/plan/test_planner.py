@@ -188,3 +188,44 @@ def test_host_memory_counts_the_checkpoints_staging_and_the_in_memory_copy():
     assert both.host_bytes - base.host_bytes == pytest.approx(48 * trained)
     assert sync.host_bytes == base.host_bytes
     assert trained / 1e9 > 13  # the actor and the critic: two 7B models, so 160 GB of staging
+
+
+def test_lora_adapter_counts_are_peft_s_published_ones():
+    """r x (in + out) per adapted linear: Llama-2-7B (h 4096, I 11008, 32 layers) at r = 16 on
+    all seven linears: 16 x 32 x (9 x 4096 + 2 x 4096 + 3 x 11008) = 39,976,960, the count peft
+    prints for it; at r = 8 on q_proj and v_proj: 8 x 32 x 4 x 4096 = 4,194,304 (the LoRA
+    paper's setting, and peft's printout)."""
+    a = KNOWN["llama-2-7b"]
+    assert a.lora_params(16, ["all-linear"]) == 39_976_960
+    assert a.lora_params(8, ["q_proj", "v_proj"]) == 4_194_304
+
+
+def test_lora_trains_only_the_adapters_states_on_a_frozen_16_bit_base():
+    """7B actor with r = 16 adapters (A = 39,976,960), ZeRO-2 on 4 GPUs: the base's 2P bytes whole
+    on each rank (ZeRO-2 does not shard weights) plus the adapters' 2A, their gradients 2A / 4
+    and Adam states 12A / 4 (nothing for the frozen base); ZeRO-3 shards the base too: 2P / 4."""
+    a = KNOWN["llama-2-7b"]
+    p, A = a.params(), 39_976_960
+    full = trained_role(a, "lm", 4, TrainConfig(2, False, False, 1, True, 1), 1024)
+    lora = trained_role(a, "lm", 4, TrainConfig(2, False, False, 1, True, 1, A), 1024)
+    states = 2 * p + 2 * A + 2 * A / 4 + 12 * A / 4
+    assert lora["rollout"] == pytest.approx(states + CONTEXT_BYTES)
+    assert full["rollout"] - lora["rollout"] == pytest.approx((2 + 12) * p / 4 - (2 + 12) * A / 4 - 2 * A)
+    assert lora["train"] - lora["rollout"] == pytest.approx(full["train"] - full["rollout"])  # same activations
+    sharded = trained_role(a, "lm", 4, TrainConfig(3, False, False, 1, True, 1, A), 1024)
+    assert sharded["rollout"] == pytest.approx(2 * p / 4 + (2 + 2 + 12) * A / 4 + CONTEXT_BYTES)
+
+
+def test_the_workstation_plans_lora_and_refuses_a_full_7b_ppo_for_its_host_memory():
+    """4 x 24 GB with 128 GB of RAM: full 7B PPO fits the GPUs only by offloading states (more
+    host memory than there is): refused, naming host memory and LoRA; PPO with LoRA on the 7B
+    and GRPO with LoRA on an 8B plan without offloading optimizer states, and without a
+    reference role."""
+    inv = Inventory(4, 24, 1, 128)
+    with pytest.raises(PlanError, match=r"the GPUs fit it only with states offloaded to host memory, \d+ GB per "
+                                        r"node .* the host has 128 GB\. Smallest change that fits: LoRA"):
+        _plan(EXAMPLES / "ppo_7b.yaml", inv)
+    for example in ("ppo_lora_7b.yaml", "grpo_lora_8b.yaml"):
+        plan = _plan(EXAMPLES / example, inv)
+        assert plan.settings["train.offload_optimizer"] is False and plan.settings["train.offload_params"] is False
+        assert "reference" not in plan.roles and plan.host_bytes <= 128 * GB, example
