@@ -211,14 +211,13 @@ def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype
     from deepspeed.runtime.zero import GatheredParameters
 
     from elasticrl.engine import state
-    from elasticrl.weights.shards import INDEX, SINGLE, write_safetensors
+    from elasticrl.weights.shards import shard_names, write_index, write_safetensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     entries, shards, total = _export_plan(engine, dtype, max_shard_bytes)
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                               for i in range(len(shards))]
+    names = shard_names(len(shards))
     file_of = {key: i for i, keys in enumerate(shards) for key in keys}
     sliced = state.tp_slices(engine)
     mine: dict[int, list] = {i: [] for i in range(len(shards)) if i % world == rank}
@@ -245,9 +244,7 @@ def export_hf(engine, tokenizer, folder: str | Path, max_shard_bytes: int, dtype
             engine.module.generation_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         if len(shards) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {key: names[i] for i, keys in enumerate(shards) for key in keys}}
-            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+            write_index(folder, total, {key: names[i] for i, keys in enumerate(shards) for key in keys})
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -309,7 +306,7 @@ def export_merged(engine, tokenizer, folder: Path, max_shard_bytes: int, dtype) 
     a shard at a time. Collective."""
     import torch.distributed as dist
 
-    from elasticrl.weights.shards import INDEX, SINGLE, write_safetensors
+    from elasticrl.weights.shards import shard_names, write_index, write_safetensors
     from elasticrl.weights.sync import iter_full_params
 
     rank0 = dist.get_rank() == 0
@@ -337,14 +334,11 @@ def export_merged(engine, tokenizer, folder: Path, max_shard_bytes: int, dtype) 
     if not rank0:
         return
     flush()
-    names = [SINGLE] if len(written) == 1 else [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-                                                for i in range(len(written))]
+    names = shard_names(len(written))  # known once the last shard is written: files are renamed
     for (tmp, _), final in zip(written, names):
         (folder / tmp).rename(folder / final)
     if len(written) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {key: final for (_, keys), final in zip(written, names) for key in keys}}
-        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        write_index(folder, total, {key: final for (_, keys), final in zip(written, names) for key in keys})
     config = engine.module.get_base_model().config
     config.dtype = dtype
     config.save_pretrained(folder)

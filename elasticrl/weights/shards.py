@@ -34,13 +34,23 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
     return [s for s in shards if s]
 
 
+def shard_names(count: int) -> list[str]:
+    """The files of a model in ``count`` shards, named as Hugging Face names them."""
+    return [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(folder: str | Path, total_bytes: int, weight_map: dict[str, str]) -> None:
+    """The index of a sharded model folder: each tensor's file."""
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (Path(folder) / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 def save_sharded(state_dict: dict[str, torch.Tensor], folder: str | Path, max_shard_bytes: int) -> list[str]:
     """Write tensors into ``folder`` (which must exist); return the file names written."""
     folder = Path(folder)
     sizes = [(k, v.numel() * v.element_size()) for k, v in state_dict.items()]
     shards = plan_shards(sizes, max_shard_bytes)
-    names = [SINGLE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = shard_names(len(shards))
     weight_map = {}
     for fname, keys in zip(names, shards):
         tensors = {k: state_dict[k].detach().to("cpu").contiguous() for k in keys}
@@ -48,8 +58,7 @@ def save_sharded(state_dict: dict[str, torch.Tensor], folder: str | Path, max_sh
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in keys})
     if len(names) > 1:
-        index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
-        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        write_index(folder, sum(n for _, n in sizes), weight_map)
         names.append(INDEX)
     return names
 
