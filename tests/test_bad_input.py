@@ -108,9 +108,9 @@ CASES = [
     ("tp-not-dividing", [], ["run", GRPO, "--set", "train.tp_size=3"], 2, "train.tp_size: must divide"),
     ("offload-without-zero3", [], ["run", GRPO, "--set", "train.offload_params=true", "--set",
                                    "train.zero_stage=2"], 2, "train.offload_params: needs train.zero_stage: 3"),
-    ("lora-with-dpo", [], ["run", DPO, "--set", "model.lora.rank=8"], 2,
-     "model.lora.rank: adapters train with algorithm sft and the RL algorithms so far, not dpo; set "
-     "model.lora.rank: 0 to train every weight"),
+    ("lora-with-iterative-dpo", [], ["run", DPO, "--set", "algorithm=iterative_dpo", "--set", "model.lora.rank=8"], 2,
+     "model.lora.rank: adapters do not train with iterative_dpo yet (sft, rm, prm, dpo, kto and the RL algorithms "
+     "take them); set model.lora.rank: 0 to train every weight"),
     ("lora-under-autotp", [], ["run", SFT, "--set", "model.lora.rank=8", "--set", "train.tp_size=2"], 2,
      "model.lora.rank: adapters do not train under AutoTP; set train.tp_size: 1"),
     ("lora-rank-negative", [], ["run", SFT, "--set", "model.lora.rank=-1"], 2, "model.lora.rank: expected"),

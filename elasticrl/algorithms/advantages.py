@@ -27,11 +27,13 @@ def last_token_rewards(rewards_b: torch.Tensor, mask_bt: torch.Tensor) -> torch.
 
 
 def discounted_returns(token_rewards_bt: torch.Tensor, mask_bt: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, over real tokens only."""
+    """G_t = r_t + gamma * G_{t+1}, over real tokens only: G_{t+1} is the next real token's (an
+    episode's observation tokens between two turns are skipped, not a new start)."""
     returns = torch.zeros_like(token_rewards_bt)
     running = torch.zeros(token_rewards_bt.shape[0], dtype=token_rewards_bt.dtype)
     for t in reversed(range(token_rewards_bt.shape[1])):
-        running = token_rewards_bt[:, t] + gamma * running * mask_bt[:, t]
+        m = mask_bt[:, t]
+        running = (token_rewards_bt[:, t] + gamma * running) * m + running * (1 - m)
         returns[:, t] = running
     return returns * mask_bt
 
@@ -48,7 +50,8 @@ def gae(*, token_rewards_bt, values_bt, mask_bt, gamma=1.0, lam=0.95, **_):
     """Generalised advantage estimation (PPO with a critic).
 
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, with V = 0
-    after the last real token; returns R_t = A_t + V_t are the critic's targets.
+    after the last real token; returns R_t = A_t + V_t are the critic's targets. t + 1 is the
+    next real token: tokens out of the mask (padding, an episode's observations) are skipped.
     """
     values = values_bt.float() * mask_bt
     adv = torch.zeros_like(values)
@@ -57,10 +60,10 @@ def gae(*, token_rewards_bt, values_bt, mask_bt, gamma=1.0, lam=0.95, **_):
     for t in reversed(range(values.shape[1])):
         m = mask_bt[:, t]
         delta = token_rewards_bt[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * m
-        adv[:, t] = next_adv
-        next_value = values[:, t] * m + next_value * (1 - m)  # padding keeps the value after the end
-        next_adv = next_adv * m
+        here = delta + gamma * lam * next_adv
+        adv[:, t] = here * m
+        next_value = values[:, t] * m + next_value * (1 - m)
+        next_adv = here * m + next_adv * (1 - m)
     return adv, (adv + values) * mask_bt
 
 

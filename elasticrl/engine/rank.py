@@ -48,7 +48,8 @@ class TrainRank:
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * dp_size)
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
-        model = load(model_path, spec.model.trust_remote_code, cfg)  # a checkpoint's pieces replace its weights
+        # a checkpoint's pieces replace its weights
+        model = load(model_path, spec.model.trust_remote_code, cfg, spec.model.lora.quantize, torch_dtype(self.dtype))
         self.lora = spec.model.lora.rank > 0
         if self.lora:
             model = with_lora(model, spec.model.lora, value_head=kind == "value")

@@ -43,7 +43,34 @@ def _attention() -> dict:
     return {"attn_implementation": name} if name else {}
 
 
-def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None):
+def _quantized(quantize: str, compute_dtype: torch.dtype) -> dict:
+    """from_pretrained's arguments for a 4-bit frozen base (``model.lora.quantize: nf4``, QLoRA):
+    bitsandbytes NF4 with double-quantized scales, on this rank's device; the heads stay whole."""
+    if quantize == "none":
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    from elasticrl import backend
+
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=["lm_head", "score"]),
+        "device_map": {"": str(backend.current_device())}}
+
+
+def _one_4bit_layout(model):
+    """On AVX512-BF16 CPUs bitsandbytes repacks a 4-bit weight for its inference kernel at the
+    first no-grad forward (scales rounded to bf16), after which no-grad log-probs and the training
+    forward differ (~6e-3 in a layer's output here) and the weight no longer dequantizes as
+    stored: keep the one layout, whose forwards agree exactly."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None,
+                     quantize: str = "none", compute_dtype: torch.dtype = torch.float32):
     """A model with a scalar head on every position (critic, reward model).
 
     Uses the architecture's sequence-classification class with one label, so the result
@@ -55,8 +82,9 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
     keep_alive = _zero3_context(ds_config)
     model = AutoModelForSequenceClassification.from_pretrained(
         str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True,
-        **_attention())
+        **_attention(), **_quantized(quantize, compute_dtype))
     del keep_alive
+    _one_4bit_layout(model)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
@@ -70,8 +98,10 @@ def token_values(model, input_ids, attention_mask):
     return model.score(hidden).squeeze(-1).float()
 
 
-def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None):
-    """Load fp32 weights (DeepSpeed keeps fp32 masters and casts the module for bf16).
+def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config: dict | None = None,
+                   quantize: str = "none", compute_dtype: torch.dtype = torch.float32):
+    """Load fp32 weights (DeepSpeed keeps fp32 masters and casts the module for bf16), or with
+    ``quantize`` (QLoRA) the linear layers' in 4 bits.
 
     With a ZeRO-3 ``ds_config`` the weights are partitioned while loading (zero.Init), so a
     rank never holds the whole model.
@@ -80,9 +110,10 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
 
     keep_alive = _zero3_context(ds_config)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True, **_attention())  # never a pickled checkpoint
+                                                 use_safetensors=True, **_attention(),  # never a pickled checkpoint
+                                                 **_quantized(quantize, compute_dtype))
     del keep_alive
-    return model
+    return _one_4bit_layout(model)
 
 
 def with_lora(model, lora, value_head: bool = False):

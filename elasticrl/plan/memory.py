@@ -15,6 +15,7 @@ from elasticrl.plan.arch import Arch
 GB = 1e9
 ADAM_BYTES = 12            # K of the ZeRO paper
 HALF = 2                   # bf16 / fp16
+NF4 = 0.516                # a 4-bit base (QLoRA): 4 bits and a double-quantized scale per 64 weights
 CONTEXT_BYTES = 1.0 * GB   # CUDA context, NCCL buffers and allocator slack of one process
 REDUCE_BUCKET = 5e8        # DeepSpeed's default reduce/allgather bucket, in elements
 LIVE_PARAMS = 1e9          # DeepSpeed's stage3_max_live_parameters
@@ -31,6 +32,7 @@ class TrainConfig:
     checkpointing: bool
     tp: int = 1
     adapters: int = 0  # LoRA: the parameters that train (adapters, a critic's head; the base frozen); 0: all
+    quantized: bool = False  # QLoRA: the frozen base in 4 bits (ZeRO 0-2)
 
 
 def model_states(params: float, n: int, zero_stage: int, offload_optimizer: bool = False,
@@ -95,15 +97,15 @@ def forward_activations(arch: Arch, micro_batch: int, seq: int, head: str = "lm"
 def trained_role(arch: Arch, head: str, n: int, cfg: TrainConfig, seq: int,
                  offload_idle: bool = False) -> dict[str, float]:
     """GPU bytes by phase of a DeepSpeed-trained role (actor: head 'lm', critic: 'value'); with
-    LoRA (``cfg.adapters``) the base's weights are 16-bit and frozen (no gradients or Adam
-    states), the adapters have all three, and activations are the full model's. With
+    LoRA (``cfg.adapters``) the base's weights are 16-bit (``cfg.quantized``: 4-bit) and frozen
+    (no gradients or Adam states), the adapters have all three, and activations are the full model's. With
     ``offload_idle`` the gradients and optimizer states (moments and master weights) wait in
     host memory through rollout and experience (DeepSpeed's ``offload_states``)."""
     params = arch.params(head) / cfg.tp
     if cfg.adapters:  # LoRA: the frozen base's 16-bit weights (sharded by ZeRO-3), the adapters' full states
         states = model_states(cfg.adapters, n, cfg.zero_stage, cfg.offload_optimizer)
         base = model_states(params, n, cfg.zero_stage, offload_params=cfg.offload_params)
-        states["params"] += base["params"]
+        states["params"] += NF4 * params if cfg.quantized else base["params"]
         states["host"] += base["host"]
     else:
         states = model_states(params, n // cfg.tp, cfg.zero_stage, cfg.offload_optimizer, cfg.offload_params)

@@ -161,16 +161,16 @@ def _trained(job: _Job, role: str) -> int:
 
 def _train_configs(job: _Job) -> list[tuple[TrainConfig, float]]:
     """(config without micro-batch, slow-down factor) for each allowed ZeRO/offload/checkpointing."""
-    out = []
+    out, quantized = [], job.spec.model.lora.quantize != "none"
     for stage, opt, par, ckpt in itertools.product(
             _choices("train.zero_stage", job.pinned, [2, 3]), _choices("train.offload_optimizer", job.pinned,
                                                                        [False, True]),
             _choices("train.offload_params", job.pinned, [False, True]),
             _choices("model.gradient_checkpointing", job.pinned, [False, True])):
-        if (par and stage != 3) or (opt and stage == 0):
+        if (par and stage != 3) or (opt and stage == 0) or (quantized and stage == 3):
             continue
         slow = (1.33 if ckpt else 1.0) * (1.3 if opt else 1.0) * (2.0 if par else 1.0) * (1.1 if stage == 3 else 1.0)
-        out.append((TrainConfig(stage, opt, par, 0, ckpt, job.spec.train.tp_size), slow))
+        out.append((TrainConfig(stage, opt, par, 0, ckpt, job.spec.train.tp_size, quantized=quantized), slow))
     return out
 
 
@@ -436,14 +436,17 @@ def _obstacle(job: _Job) -> str | None:
         if need > gpu:
             return (f"a vLLM engine needs {need / GB:.1f} GB per GPU even at tensor-parallel size {tps[-1]} "
                     f"(the most GPUs of one node that divide {a.heads} heads)")
-    leanest = TrainConfig(3, True, True, 1, True, job.spec.train.tp_size)
+    quantized = job.spec.model.lora.quantize != "none"  # ZeRO-2 at most
+    leanest = TrainConfig(2 if quantized else 3, True, not quantized, 1, True, job.spec.train.tp_size,
+                          quantized=quantized)
     for role in ("actor", "critic"):
         if role in job.roles:
             m = trained_role(a, job.roles[role], inv.gpus, dataclasses.replace(leanest, adapters=_trained(job, role)),
                              job.seq)
             if m["train"] > gpu:
-                return (f"the {role} alone needs {m['train'] / GB:.1f} GB per GPU in training even with ZeRO-3, "
-                        f"parameter and optimizer offload, checkpointing and micro-batch 1 on all {inv.gpus} GPUs")
+                lean = "ZeRO-2 (a 4-bit base)" if quantized else "ZeRO-3, parameter"
+                return (f"the {role} alone needs {m['train'] / GB:.1f} GB per GPU in training even with {lean} "
+                        f"and optimizer offload, checkpointing and micro-batch 1 on all {inv.gpus} GPUs")
     return None
 
 

@@ -54,7 +54,7 @@ def _model_roles(spec: JobSpec) -> dict[str, Role]:
     alg = ALGORITHMS[spec.algorithm]
     n, p = spec.train.num_ranks, spec.placement
     roles = {"actor": Role(alg.head, n)}
-    if alg.reference:  # dpo, kto, iterative_dpo: a frozen copy in each trainer rank's process
+    if alg.reference and not spec.model.lora.rank:  # dpo, kto, iterative_dpo: a frozen copy in each rank's
         roles["reference"] = Role("lm", n, in_trainer=True)
     if alg.rollout:
         r = spec.rollout

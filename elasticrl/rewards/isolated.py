@@ -15,43 +15,48 @@ import time
 EOF = "eof"  # what _line answers once the process's output has closed
 
 
-class FunctionProcess:
-    def __init__(self, paths: list[str], timeout_s: float):
-        self.paths, self.timeout_s = paths, timeout_s
+class ChildProcess:
+    """``python -m MODULE ARGS...`` speaking JSON lines: ready first, then one request line and
+    one reply line per item of it (``{"v": value}`` or ``{"e": "what went wrong"}``). A reply
+    that does not come within ``timeout_s`` or a process that ends loses that item and the
+    rest of the request; the process is killed by its PID and the next request starts another."""
+
+    def __init__(self, module: str, args: list[str], timeout_s: float, what: str, setting: str):
+        """``what``: the process as errors name it; ``setting``: the spec field of ``timeout_s``."""
+        self.module, self.args, self.timeout_s, self.what, self.setting = module, args, timeout_s, what, setting
         self.proc: subprocess.Popen | None = None
+        self.starts = 0  # how many processes have served (a new one holds none of the old one's state)
         self._buffer = b""
 
     def start(self) -> None:
-        """Start the process; a function that does not import is a ValueError naming it."""
+        """Start the process; one that cannot set up (user code that does not import) is a
+        ValueError with its reason."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, sys.path)])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "elasticrl.rewards.child", *self.paths],
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._buffer = b""
+        self._buffer, self.starts = b"", self.starts + 1
         first = self._line(max(60.0, self.timeout_s))
         if not isinstance(first, dict) or "ready" not in first:
             self.close()
             raise ValueError(first["e"] if isinstance(first, dict) and "e" in first else
-                             f"the reward functions' process did not start ({', '.join(self.paths)})")
+                             f"{self.what} did not start ({', '.join(self.args)})")
 
-    def __call__(self, index: int, items: list[list]) -> list[float | str]:
-        """Function ``index`` on each [prompt, completion, answer]: a float, or the error text."""
-        out: list[float | str] = []
-        while len(out) < len(items):
-            if self.proc is None:
-                self.start()
-            rest = items[len(out):]
-            try:
-                self.proc.stdin.write((json.dumps({"f": index, "items": rest}) + "\n").encode())
-                self.proc.stdin.flush()
-            except BrokenPipeError:  # it died after its last reply: a new one takes the calls
-                self.close()
-                continue
-            for _ in rest:
-                reply = self._line(self.timeout_s)
-                if not isinstance(reply, dict):  # hung or dead: this call fails, the next ones go to a new process
-                    out.append(self._lost(ended=reply == EOF))
-                    break
-                out.append(reply["v"] if "v" in reply else reply["e"])
+    def ask(self, request: dict, count: int) -> list:
+        """Send ``request``; its ``count`` replies: each a value, or the error text. A process
+        lost on the way answers that item with why and the items after it with None."""
+        if self.proc is None:
+            self.start()
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died after its last reply
+            return [self._lost(ended=True)] + [None] * (count - 1)
+        out: list = []
+        while len(out) < count:
+            reply = self._line(self.timeout_s)
+            if not isinstance(reply, dict):  # hung or dead
+                return out + [self._lost(ended=reply == EOF)] + [None] * (count - len(out) - 1)
+            out.append(reply["v"] if "v" in reply else reply["e"])
         return out
 
     def _line(self, timeout_s: float) -> dict | str | None:
@@ -71,10 +76,10 @@ class FunctionProcess:
 
     def _lost(self, ended: bool) -> str:
         if not ended:
-            what = f"timed out after {self.timeout_s:g} s (rewards.timeout_s)"
+            what = f"timed out after {self.timeout_s:g} s ({self.setting})"
         else:
             code = self.proc.wait()  # its output closed: it is exiting
-            what = f"the reward process died ({f'signal {-code}' if code < 0 else f'exit {code}'})"
+            what = f"{self.what} died ({f'signal {-code}' if code < 0 else f'exit {code}'})"
         self.close()
         return what
 
@@ -86,6 +91,20 @@ class FunctionProcess:
             self.proc.stdin.close()
             self.proc.stdout.close()
             self.proc = None
+
+
+class FunctionProcess(ChildProcess):
+    def __init__(self, paths: list[str], timeout_s: float):
+        super().__init__("elasticrl.rewards.child", paths, timeout_s, "the reward process", "rewards.timeout_s")
+
+    def __call__(self, index: int, items: list[list]) -> list[float | str]:
+        """Function ``index`` on each [prompt, completion, answer]: a float, or the error text;
+        the items a lost process left unanswered go to a new one."""
+        out: list[float | str] = []
+        while len(out) < len(items):
+            replies = self.ask({"f": index, "items": items[len(out):]}, len(items) - len(out))
+            out += [r for r in replies if r is not None]
+        return out
 
 
 class FunctionPool:

@@ -20,9 +20,11 @@ from elasticrl.weights import receive
 class HFRolloutEngine:
     def __init__(self, model_path: str, tp_size: int, dtype: str, seed: int, max_model_len: int,
                  cpu_mode: str, cpu_sleep: str, gpu_memory_utilization: float, kv_cache_gib: float,
-                 trust_remote_code: bool, lora_rank: int = 0):
+                 trust_remote_code: bool, lora_rank: int = 0, quantization: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if lora_rank or quantization:
+            raise ValueError("the transformers engine takes merged weights (rollout.lora_sync: merged)")
         if tp_size != 1:
             raise ValueError("rollout.tp_size: the transformers fallback engine has no tensor parallelism; use 1")
         t0 = time.time()

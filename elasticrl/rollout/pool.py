@@ -74,12 +74,13 @@ class RolloutPool:
     boundary, where the trainer re-attaches its weight sender (``changed``)."""
 
     def __init__(self, model_path: str, spec: RolloutSpec, dtype: str, seed: int, trust_remote_code: bool = False,
-                 where: dict | None = None, wait: bool = True, lora_rank: int = 0):
+                 where: dict | None = None, wait: bool = True, lora_rank: int = 0, lora_quantize: str = "none"):
         """``where``: the RoleGroup placement options (``cluster.Placement.options('rollout')``);
         by default each engine gets its own devices. ``wait=False``: return while the engines
         start (the caller builds its other roles meanwhile) and call ``ready`` before use.
         ``lora_rank``: the policy trains LoRA adapters of this rank, which vLLM engines serve as
-        adapters under ``rollout.lora_sync`` adapter (auto: on GPUs), else they get merged weights."""
+        adapters under ``rollout.lora_sync`` adapter (auto: on GPUs), else they get merged weights;
+        served adapters on a 4-bit base (``lora_quantize``) run on vLLM's bitsandbytes loading of it."""
         self.spec = spec
         adapters = spec.lora_sync == "adapter" or (spec.lora_sync == "auto" and backend.has_gpu())
         self.lora_rank = lora_rank if adapters and backend.uses_vllm(spec.backend) else 0
@@ -88,7 +89,7 @@ class RolloutPool:
         self.group = RoleGroup(
             "rollout", engine_class(spec.backend), spec.num_engines, model_path, spec.tp_size, dtype, seed,
             spec.max_model_len, spec.cpu_mode, spec.cpu_sleep, spec.gpu_memory_utilization, spec.kv_cache_gib,
-            trust_remote_code, self.lora_rank,
+            trust_remote_code, self.lora_rank, "bitsandbytes" if self.lora_rank and lora_quantize != "none" else None,
             **where,
             # Threads let generation wait while a weight sync is in progress (see engine.py).
             actor_options={"max_concurrency": 4, "runtime_env": {"env_vars": env}})
@@ -134,10 +135,11 @@ class RolloutPool:
 
     def submit(self, prompts: list[list[int]], sampling: dict) -> Work:
         """Start generating; ``collect`` the returned work later (async rollouts). A ``seed``
-        in ``sampling`` seeds each prompt by ``prompt_seed``."""
-        seed, n = sampling.get("seed"), sampling.get("n", 1)
-        work = Work(prompts, {k: v for k, v in sampling.items() if k != "seed"},
-                    None if seed is None else [prompt_seed(seed, j, n) for j in range(len(prompts))])
+        in ``sampling`` seeds each prompt by ``prompt_seed``; ``seeds`` gives each its own."""
+        seed, n, seeds = sampling.get("seed"), sampling.get("n", 1), sampling.get("seeds")
+        if seeds is None and seed is not None:
+            seeds = [prompt_seed(seed, j, n) for j in range(len(prompts))]
+        work = Work(prompts, {k: v for k, v in sampling.items() if k not in ("seed", "seeds")}, seeds)
         self._dispatch(work, list(range(len(prompts))))
         return work
 

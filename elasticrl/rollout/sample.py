@@ -13,3 +13,8 @@ class Sample:
     text: str                  # the tokens decoded
     finish_reason: str | None  # 'stop' (end of sequence or a stop string), 'length' (max_tokens)
     weight_version: int        # the engine's weights when it generated them
+    # a multi-turn episode (rollout.environment): token_ids hold every token after prompt_ids, the
+    # model's (mask True; logprobs are theirs) and the observations'; text is the model's last turn
+    mask: list[bool] | None = None
+    prompt_ids: list[int] | None = None
+    episode: dict | None = None  # {"reward": the environment's, "error": why it ended early or None, "messages"}

@@ -234,12 +234,32 @@ def _convert_section(cls, value: Any, path: str):
 
 def lora_refusal(spec: JobSpec) -> str | None:
     """Why this job cannot train LoRA adapters (with the fix), or None when it can."""
-    if spec.algorithm != "sft" and ALGORITHMS[spec.algorithm].family != "rl":
-        return (f"adapters train with algorithm sft and the RL algorithms so far, not {spec.algorithm}; set "
-                "model.lora.rank: 0 to train every weight")
+    if spec.algorithm in ("conditional_sft", "rejection_sampling", "iterative_dpo"):
+        return (f"adapters do not train with {spec.algorithm} yet (sft, rm, prm, dpo, kto and the RL algorithms "
+                "take them); set model.lora.rank: 0 to train every weight")
     if spec.train.tp_size > 1:
         return "adapters do not train under AutoTP; set train.tp_size: 1 (ZeRO-3 shards the frozen base instead)"
     return None
+
+
+def _check_qlora(spec: JobSpec, here: bool) -> None:
+    """A 4-bit base (``model.lora.quantize``); ``here``: the job runs on this machine."""
+    import importlib.util
+
+    from elasticrl import backend
+
+    field = "model.lora.quantize"
+    if not spec.model.lora.rank:
+        raise SpecError(field, "quantizes the frozen base of LoRA adapters: set model.lora.rank (16, say), or "
+                               "model.lora.quantize: none")
+    if spec.train.zero_stage == 3 or spec.train.offload_params:
+        raise SpecError(field, "a 4-bit base trains at train.zero_stage 0-2 without train.offload_params (ZeRO-3 "
+                               "does not shard bitsandbytes' packed weights); set train.zero_stage: 2")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise SpecError(field, "needs bitsandbytes: pip install bitsandbytes")
+    if here and spec.rollout.lora_sync == "adapter" and not backend.has_gpu():
+        raise SpecError("rollout.lora_sync", "served adapters on a 4-bit base are a GPU path (vLLM's bitsandbytes "
+                                             "loader); on this CPU use rollout.lora_sync: auto (merged)")
 
 
 def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
@@ -259,10 +279,15 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
         raise SpecError("train.offload_optimizer", "needs train.zero_stage >= 1")
     if spec.model.lora.rank and lora_refusal(spec):
         raise SpecError("model.lora.rank", lora_refusal(spec))
+    if spec.model.lora.quantize != "none":
+        _check_qlora(spec, check_paths)
     alg = ALGORITHMS[spec.algorithm]
     rl = spec.rl
     if alg.family == "rl":
         _check_rl(spec)
+    elif spec.rollout.environment:
+        raise SpecError("rollout.environment", f"multi-turn episodes train with the RL algorithms (grpo, ppo, "
+                                               f"reinforce++, rloo), not {spec.algorithm}")
     if rl.dual_clip is not None and rl.dual_clip <= 1:
         raise SpecError("rl.dual_clip", f"expected a number > 1 or null, got {rl.dual_clip}")
     for i, m in enumerate(spec.rewards.models):
@@ -300,6 +325,12 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
                                                 "dpo's new pairs need the reference during training); use colocated")
     if spec.critic.path is not None and check_paths and not Path(spec.critic.path).is_dir():
         raise SpecError("critic.path", f"{spec.critic.path} is not a folder")
+    if check_paths:
+        for field, path in [("model.path", spec.model.path), ("critic.path", spec.critic.path),
+                            *((f"rewards.models[{i}].path", m.path) for i, m in enumerate(spec.rewards.models))]:
+            if path and (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file():
+                raise SpecError(field, f"{path} is a LoRA adapter folder (peft), not a whole model; give its merged "
+                                       "export (export.merge: true writes final/merged)")
     bad_ops = set(spec.world.operators) - set("+-*")
     if not spec.world.operators or bad_ops:
         raise SpecError("world.operators", f"expected a non-empty subset of '+-*', got {spec.world.operators!r}")
@@ -336,6 +367,18 @@ def _check_rl(spec: JobSpec) -> None:
         raise SpecError("rl.overlong_buffer", f"{rl.overlong_buffer} is more than rl.max_new_tokens "
                                               f"({rl.max_new_tokens}): the punishment starts that many tokens before "
                                               "the limit")
+    ro = spec.rollout
+    if ro.environment and rl.async_rollout:
+        raise SpecError("rl.async_rollout", "episodes (rollout.environment) roll out turn by turn on the current "
+                                            "weights; set rl.async_rollout: false")
+    for i, path in enumerate([ro.environment or "x:x", ro.tool_parser if ro.tool_parser != "hermes" else "x:x",
+                              *ro.tools]):
+        if ":" not in path:
+            field = ["rollout.environment", "rollout.tool_parser"][i] if i < 2 else f"rollout.tools[{i - 2}]"
+            raise SpecError(field, f"{path!r} is not an import path; write package.module:name")
+    if ro.tools and not ro.environment:
+        raise SpecError("rollout.tools", "tools are offered in multi-turn episodes: set rollout.environment: "
+                                         "elasticrl.envs:ToolEnvironment")
     if rl.min_tokens > rl.max_new_tokens:
         raise SpecError("rl.min_tokens", f"{rl.min_tokens} is more than rl.max_new_tokens ({rl.max_new_tokens}); "
                                          "lower it or raise rl.max_new_tokens")

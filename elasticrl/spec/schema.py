@@ -44,6 +44,10 @@ class LoraSpec:
     dropout: float = doc("Dropout on an adapter's input while training.", 0.0, min=0, max=1)
     target_modules: list[str] = doc("Names of the linear layers that get adapters; ['all-linear']: every linear "
                                     "layer but the output head.", factory=lambda: ["all-linear"])
+    quantize: Literal["none", "nf4"] = doc(
+        "'nf4': QLoRA, the frozen base held in 4 bits (bitsandbytes NF4, double-quantized; its CPU backend runs "
+        "here too) at train.zero_stage 0-2; the reference is that 4-bit base. Merged syncs send it dequantized "
+        "(the trainer's own weights); served adapters (GPUs) run on vLLM's bitsandbytes base.", "none")
 
 
 @dataclass
@@ -60,9 +64,10 @@ class ModelSpec:
     trust_remote_code: bool = doc(
         "Let transformers run code shipped with the model. Off unless you trust its source.", False)
     gradient_checkpointing: bool = doc("Recompute activations in backward to save memory.", False)
-    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0) on the frozen model, for sft and the RL algorithms (the "
-                         "actor and a PPO critic, whose value head trains whole; the KL's reference is the base): "
-                         "final/ is a peft adapter folder. The other trainers refuse them for now.",
+    lora: LoraSpec = doc("LoRA adapters (model.lora.rank > 0) on the frozen model, for sft, rm, prm, dpo, kto and the "
+                         "RL algorithms (the actor and a PPO critic; a value head trains whole; the reference is the "
+                         "base, the model with its adapters off): final/ is a peft adapter folder. conditional_sft "
+                         "and the rounds algorithms refuse them for now.",
                          factory=LoraSpec)
 
 
@@ -173,6 +178,22 @@ class RolloutSpec:
     hang_factor: float = doc("An engine that takes longer on its prompts than this many times (1 s + the time "
                              "the generation rate measured so far gives them at max tokens each) is taken for "
                              "hung and replaced.", 8.0, min=1)
+    environment: Optional[str] = doc(
+        "Multi-turn episodes: an environment class (package.module:Class, one instance per episode, in "
+        "rewards.workers processes of its own; elasticrl.envs:ToolEnvironment answers tool calls with "
+        "rollout.tools) that answers each model turn with the next observation (README, Agents and tools); "
+        "null: one completion per prompt.", None)
+    tools: list[str] = doc("Tools offered to the model (package.module:function; a type-hinted function with a "
+                           "Google-style docstring, its JSON schema from both), besides the environment's own.",
+                           factory=list)
+    tool_parser: str = doc("How tool calls are read from the model's text: 'hermes' (<tool_call>{\"name\", "
+                           "\"arguments\"}</tool_call>, Hermes and Qwen templates) or package.module:function "
+                           "(text -> [{name, arguments}]).", "hermes")
+    tool_timeout_s: float = doc("A tool call running longer is stopped and answered with an error.", 10.0, min=0,
+                                exclusive_min=True)
+    environment_timeout_s: float = doc("An environment process that gives no answer for this long is killed "
+                                       "(its episodes end, truncated) and started again.", 120.0, min=0,
+                                       exclusive_min=True)
 
 
 @dataclass
@@ -184,7 +205,11 @@ class RLSpec:
         "reinforce++: reinforce++_baseline).", "auto")
     prompts_per_step: int = doc("Prompts rolled out per step.", 32, min=1)
     samples_per_prompt: int = doc("Completions per prompt (n); group estimators need >= 2.", 8, min=1)
-    max_new_tokens: int = doc("Longest completion, in tokens.", 16, min=1)
+    max_new_tokens: int = doc("Longest completion (an episode's turn), in tokens.", 16, min=1)
+    max_turns: int = doc("With rollout.environment: model turns per episode at most (truncated past it).", 4, min=1)
+    max_episode_tokens: int = doc("With rollout.environment: the model's and the observations' tokens of an episode "
+                                  "at most (truncated before a turn that could pass it); 0: rollout.max_model_len.",
+                                  0, min=0)
     temperature: float = doc(
         "Sampling temperature of rollouts. The trainer's log-probs (PPO ratio, KL, importance weights) are "
         "taken at the same temperature, as vLLM's returned log-probs are (of the distribution it sampled from: "

@@ -60,7 +60,9 @@ class Experience:
         return self.input_ids.shape[0]
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Experience:
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, masks: list | None = None) -> Experience:
+    """``masks``: per response, True on the model's tokens, or None (all are); an episode's
+    observation tokens are in the sequence but not in the loss."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -70,6 +72,8 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> E
         input_ids[i, : len(s)] = torch.tensor(s)
         attention_mask[i, : len(s)] = 1
         labels[i, len(p): len(s)] = torch.tensor(s[len(p):])
+        if masks and masks[i] is not None:
+            labels[i, len(p): len(s)][~torch.tensor(masks[i], dtype=torch.bool)] = IGNORE
     return Experience(input_ids, attention_mask, labels, (labels[:, 1:] != IGNORE).float())
 
 

@@ -10,10 +10,15 @@ from elasticrl.rollout.sample import Sample
 from elasticrl.spec import JobSpec
 
 
-def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals, verify) -> dict:
+def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]], evals, verify,
+                     episodes=None) -> dict:
     """Held-out accuracy of greedy answers, and pass@k and mean accuracy of ``rl.eval_samples``
-    sampled ones, as ``verify(prompts, completions, answers)`` (the job's verifier) scores them."""
+    sampled ones, as ``verify(prompts, completions, answers)`` (the job's verifier) scores them;
+    ``episodes(rows, sampling)``: they are the last turns of multi-turn episodes."""
     k = spec.rl.eval_samples
+
+    def generate(sampling: dict) -> list[Sample]:
+        return pool.generate(eval_ids, sampling) if episodes is None else episodes(evals[:len(eval_ids)], sampling)
 
     def right(results: list[Sample]) -> list[bool]:
         recs = [evals[r.prompt_index] for r in results]
@@ -21,11 +26,11 @@ def evaluate_answers(spec: JobSpec, pool: RolloutPool, eval_ids: list[list[int]]
                         [e.get(spec.data.answer_key) for e in recs])
         return [full_marks(v) for v in scores]
 
-    greedy = pool.generate(eval_ids, {"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens,
+    greedy = generate({"temperature": 0.0, "max_tokens": spec.eval.max_new_tokens,
                                       **({"stop": list(spec.rl.stop)} if spec.rl.stop else {})})
     out = {"eval/accuracy": sum(right(greedy)) / len(eval_ids)}
     if k > 1:
-        sampled = pool.generate(eval_ids, {**sampling_params(spec, None, spec.eval.max_new_tokens), "n": k})
+        sampled = generate({**sampling_params(spec, None, spec.eval.max_new_tokens), "n": k})
         hit, oks = [False] * len(eval_ids), right(sampled)
         for r, ok in zip(sampled, oks):
             hit[r.prompt_index] |= ok

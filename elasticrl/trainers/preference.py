@@ -4,7 +4,8 @@ variants) on chosen/rejected pairs, and KTO on unpaired desirable/undesirable ex
 Variant: log-probabilities are sums over response tokens. The reference is a frozen copy
 of the starting model in each rank's process, or (``preference.reference: precomputed``,
 dpo only) its log-probs are computed once before training, spread over the ranks, and the
-copy is freed. KTO's reference point z0 is the mean of log pi - log ref over mismatched
+copy is freed; under LoRA (``model.lora``) it is the trained model with its adapters
+off. KTO's reference point z0 is the mean of log pi - log ref over mismatched
 pairs (prompt i with response i+1 of the micro-batch), averaged over every rank, clamped at
 0 and detached, as in the KTO paper. Losses are means over the global batch. With
 ``data.packing`` a micro-batch's sequences are laid end to end (no padding).
@@ -63,7 +64,7 @@ class PreferenceWorker(RankWorker):
         self.eval_pairs = read_records(self.paths["eval"], pair_keys)
         self.eval_prompts = read_records(self.paths["eval_prompts"], prompt_answer(d)) \
             if self.paths.get("eval_prompts") else []
-        self.ref = load_causal_lm(self.paths["model"], s.model.trust_remote_code).to(
+        self.ref = None if self.core.lora else load_causal_lm(self.paths["model"], s.model.trust_remote_code).to(
             self.core.device, torch_dtype(self.core.dtype)).eval().requires_grad_(False)
         self.table: dict | None = None  # precomputed reference log-probs
         return {"dtype": self.core.dtype, "records": len(self.records)}
@@ -87,8 +88,21 @@ class PreferenceWorker(RankWorker):
         if self.table is not None:
             got = torch.tensor([self.table[split][k] for k in keys], device=self.core.device)
             return got[:, 0], got[:, 1]
-        lp = self._logps(self.ref, self._pair_examples(pairs)).float()
+        lp = self._ref_logps(self._pair_examples(pairs))
         return lp[: len(pairs)], lp[len(pairs):]
+
+    @torch.no_grad()
+    def _ref_logps(self, examples) -> torch.Tensor:
+        """The reference's log-probs: the frozen copy's, or under LoRA (``model.lora``) the base's,
+        the trained model with its adapters off (no copy)."""
+        if self.ref is not None:
+            return self._logps(self.ref, examples).float()
+        module = self.core.engine.module
+        training = module.training
+        with module.disable_adapter():
+            lp = self._logps(module.eval(), examples).float()
+        module.train(training)
+        return lp
 
     @torch.no_grad()
     def reference_share(self, train_keys: list[int], num_eval: int) -> dict:
@@ -146,7 +160,7 @@ class PreferenceWorker(RankWorker):
         n = len(rows)
         mismatched = [self._encode(rows[i][d.prompt_key], rows[(i + 1) % n][d.response_key]) for i in range(n)]
         with torch.no_grad():
-            ref = self._logps(self.ref, examples + mismatched).float()
+            ref = self._ref_logps(examples + mismatched)
             kl = (self._logps(self.core.engine, mismatched).float() - ref[n:]).mean()
             if torch.distributed.is_initialized():  # one reference point for the whole batch
                 torch.distributed.all_reduce(kl)

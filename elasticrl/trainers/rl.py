@@ -32,10 +32,12 @@ from elasticrl.algorithms.normalize import masked_whiten
 from elasticrl.cluster import RoleError, ray_session
 from elasticrl.data.records import format_prompt, prompt_answer, prompt_of, prompt_text, read_records, sample_indices
 from elasticrl.engine.checkpoint import Resume
+from elasticrl.envs.pool import environments
 from elasticrl.models import load_tokenizer
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rewards.verifiers import full_marks
+from elasticrl.rollout.episodes import run_episodes
 from elasticrl.rollout.pool import sampling_params
 from elasticrl.rollout.sample import Sample
 from elasticrl.spec import JobSpec
@@ -107,7 +109,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     summary: dict = {"algorithm": spec.algorithm, "advantage": advantage_of(spec.algorithm, spec.rl.advantage)}
     check_user_files(spec, lambda path: _check_prompts(spec, path), prompt_answer(spec.data))
     # the reward functions' process starts first: one that does not import fails before Ray
-    with RewardSources(spec) as rewards, ray_session(spec.ray, cpus_needed(spec)):
+    with RewardSources(spec) as rewards, environments(spec) as envs, ray_session(spec.ray, cpus_needed(spec)):
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
             path = trained_reward_model(spec)
             spec = dataclasses.replace(spec, rewards=dataclasses.replace(
@@ -131,7 +133,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         try:
             evals_used = range(min(len(evals), spec.eval.num_prompts or len(evals)))
             run = Run(spec, roles, rewards, tok, prompts, prompt_ids, evals, [eval_ids[i] for i in evals_used], output,
-                      asked, scale_seen=started)
+                      asked, scale_seen=started, envs=envs)
             try:
                 summary.update(_train_run(run, resume))
             finally:
@@ -164,14 +166,14 @@ def _train_run(run: Run, resume: Resume) -> dict:
     start = resume_state(run, resume) if resume.folder else 0
     transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                                   str(run.output / "weights"))
-    if resume.folder:
-        roles.pool.sync(run.version)
+    if resume.folder or (spec.model.lora.quantize != "none" and not roles.pool.lora_rank):
+        roles.pool.sync(run.version)  # (the engines loaded the 16-bit base, not the trainer's 4-bit one)
     run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume.folder else None)
     run.checkpoints = Checkpoints(spec, run.output, run.asked)
     summary: dict = {"transport": transport}
     if start == 0 and run.cadence.evaluate_start():
         summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals,
-                                                            run.rewards.verify)}
+                                                            run.rewards.verify, _eval_episodes(run))}
         run.metrics.write(summary["initial"])
     run.progress = Progress(spec.rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
@@ -207,11 +209,16 @@ def rollout(run: Run, step: int) -> Step:
     if engines is not None:
         run.roles.pool.scale_to(engines)
     with _timed(s, "rollout"):
-        if not run.pending:
-            _submit(run, step)
-        _, s.indices, handle = run.pending.popleft()
-        s.results = run.roles.pool.collect(handle)
-        s.generated = sum(len(r.token_ids) for r in s.results)
+        if run.spec.rollout.environment:  # multi-turn episodes, on the current weights
+            s.indices = _draw(run)
+            s.results, info = _episodes(run, [run.prompts[i] for i in s.indices], sampling_params(run.spec, step))
+            s.info.update(info)
+        else:
+            if not run.pending:
+                _submit(run, step)
+            _, s.indices, handle = run.pending.popleft()
+            s.results = run.roles.pool.collect(handle)
+        s.generated = sum(len(r.logprobs) for r in s.results)
         depth = rl.max_staleness if rl.async_rollout else 0
         while len(run.pending) < depth and step + 1 + len(run.pending) < rl.num_steps:
             ahead = step + 1 + len(run.pending)
@@ -225,6 +232,18 @@ def _submit(run: Run, step: int) -> None:
     idx = _draw(run)
     handle = run.roles.pool.submit([run.prompt_ids[i] for i in idx], sampling_params(run.spec, step))
     run.pending.append((step, idx, handle))
+
+
+def _episodes(run: Run, rows: list[dict], sampling: dict) -> tuple[list[Sample], dict]:
+    """``rows``' multi-turn episodes with the job's environment (``rollout.environment``)."""
+    spec = run.spec
+    return run_episodes(run.roles.pool, run.envs, run.tokenizer, rows, sampling, spec.rl.max_turns,
+                        spec.rl.max_episode_tokens or spec.rollout.max_model_len, spec.rollout.max_model_len)
+
+
+def _eval_episodes(run: Run):
+    """Evaluation's episodes (``evaluate_answers``), with an environment; else None."""
+    return (lambda rows, sampling: _episodes(run, rows, sampling)[0]) if run.spec.rollout.environment else None
 
 
 def _draw(run: Run) -> list[int]:
@@ -267,8 +286,8 @@ def scored(run: Run, s: Step) -> None:
 def _pack(run: Run, s: Step) -> None:
     """``s.batch``: the step's prompts and completions as the trainers' tensors."""
     drawn = [run.prompt_ids[i] for i in s.indices]
-    p_ids = [drawn[r.prompt_index] for r in s.results]
-    s.batch = pack(p_ids, [r.token_ids for r in s.results], run.tokenizer.pad_token_id)
+    p_ids = [drawn[r.prompt_index] if r.prompt_ids is None else r.prompt_ids for r in s.results]
+    s.batch = pack(p_ids, [r.token_ids for r in s.results], run.tokenizer.pad_token_id, [r.mask for r in s.results])
 
 
 def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
@@ -280,13 +299,15 @@ def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
     models = [(lambda g=g: gather_rows(g.call("score", batch_ref), "values"), w) for g, w in run.roles.rewards]
     scores = run.rewards([prompt_text(r, spec.data) for r in recs], texts, [r.get(spec.data.answer_key) for r in recs],
                          models, where=f"step {s.step + 1}")
+    if spec.rollout.environment:  # the environment's own rewards of each episode
+        scores.total += torch.tensor([r.episode["reward"] for r in s.results]) * scores.keep
     raw = _drop(run, s, scores)
     kept = raw[scores.keep]
     correct = torch.tensor([float(full_marks(v)) for v in scores.verified])
-    s.info = {"reward/mean": kept.mean().item() if len(kept) else 0.0,
+    s.info.update({"reward/mean": kept.mean().item() if len(kept) else 0.0,
               "reward/std": kept.std().item() if len(kept) > 1 else 0.0,
               "accuracy": correct.mean().item(), "response_length": s.batch.response_mask.sum(1).mean().item(),
-              "rl/staleness": run.version - min(r.weight_version for r in s.results), **scores.info}
+              "rl/staleness": run.version - min(r.weight_version for r in s.results), **scores.info})
     if s.info["rl/staleness"] > (rl.max_staleness if rl.async_rollout else 0):
         raise RuntimeError(f"rollout staleness {s.info['rl/staleness']} exceeds the bound")  # an invariant
     return raw
@@ -334,9 +355,11 @@ def _keep_varying_groups(run: Run, s: Step, rewards: torch.Tensor) -> torch.Tens
     while len(results) < want and draws < rl.dynamic_sampling_max_draws:
         draws += 1
         more = Step(s.step, _draw(run), [])
-        more.results = run.roles.pool.generate([run.prompt_ids[i] for i in more.indices],
-                                               sampling_params(run.spec, s.step))
-        s.generated += sum(len(r.token_ids) for r in more.results)
+        sampling = sampling_params(run.spec, s.step)
+        more.results = _episodes(run, [run.prompts[i] for i in more.indices], sampling)[0] \
+            if run.spec.rollout.environment else run.roles.pool.generate([run.prompt_ids[i] for i in more.indices],
+                                                                          sampling)
+        s.generated += sum(len(r.logprobs) for r in more.results)
         _pack(run, more)
         extra = _overlong(run, more, _score(run, more, ray.put(more.batch)))
         keep = varying_groups(extra, n)
@@ -491,7 +514,8 @@ def report(run: Run, s: Step) -> dict:
         row["fault/seconds_copying"] = time.time() - t0
     evaluated = run.cadence.evaluate(done)
     if evaluated:
-        row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals, run.rewards.verify))
+        row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals, run.rewards.verify,
+                                    _eval_episodes(run)))
     run.checkpoints.poll()
     row.update(run.checkpoints.figures())
     if run.cadence.log(done, evaluated):

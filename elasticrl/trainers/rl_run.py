@@ -62,7 +62,7 @@ class Roles:
         # the engines start first and load while the trained and frozen roles are built
         self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
                                 spec.model.trust_remote_code, where=p.options("rollout"), wait=False,
-                                lora_rank=spec.model.lora.rank)
+                                lora_rank=spec.model.lora.rank, lora_quantize=spec.model.lora.quantize)
         self.groups.append(self.pool.group)
         # the frozen roles load while the trained ones are built
         self.reference, self.rewards, frozen = None, [], []
@@ -198,6 +198,7 @@ class Run:
     reforms: int = 0                                 # times a frozen role (reference, reward model) was rebuilt
     recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
     scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
+    envs: object = None                              # the environment processes (rollout.environment), or None
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
     copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
 

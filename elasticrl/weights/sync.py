@@ -74,9 +74,12 @@ def _modules(ds_engine):
     """(module name, module, its own parameters) with each parameter once (a tied head is the
     embedding's tensor: it goes under its first name), under the model's Hugging Face names. A
     LoRA layer (``model.lora``) is one module with its base and adapter parameters, which
-    ``_sent`` merges."""
+    ``_sent`` merges; a module peft trains whole (a value head) is its trained copy."""
     seen = set()
     for mod_name, module in ds_engine.module.named_modules():
+        if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):  # peft's ModulesToSaveWrapper
+            seen |= {id(p) for p in module.original_module.parameters()}
+            module = module.modules_to_save[module.active_adapters[0]]
         params = [(n, p) for n, p in module.named_parameters(recurse=_is_lora(module)) if id(p) not in seen]
         seen |= {id(p) for _, p in params}
         if params:
@@ -93,8 +96,18 @@ def _sent(module, params) -> list[tuple[str, torch.Tensor]]:
     if not _is_lora(module):
         return [(name, p.detach()) for name, p in params]
     base = module.get_base_layer()
-    merged = base.weight + sum(module.get_delta_weight(a).to(base.weight.dtype) for a in module.active_adapters)
+    weight = _dense(base.weight)
+    merged = weight + sum(module.get_delta_weight(a).to(weight.dtype) for a in module.active_adapters)
     return [("weight", merged.detach())] + ([("bias", base.bias.detach())] if base.bias is not None else [])
+
+
+def _dense(weight: torch.Tensor) -> torch.Tensor:
+    """A base weight as its layer computes with it: a 4-bit one (``model.lora.quantize``) dequantized."""
+    if getattr(weight, "quant_state", None) is None:
+        return weight
+    import bitsandbytes.functional as bnb
+
+    return bnb.dequantize_4bit(weight.data, weight.quant_state)
 
 
 def _sent_shapes(module, params) -> list[tuple[str, torch.Tensor]]:
@@ -102,7 +115,10 @@ def _sent_shapes(module, params) -> list[tuple[str, torch.Tensor]]:
     if not _is_lora(module):
         return params
     base = module.get_base_layer()
-    return [("weight", base.weight)] + ([("bias", base.bias)] if base.bias is not None else [])
+    weight = base.weight
+    if getattr(weight, "quant_state", None) is not None:  # a 4-bit weight's packed shape is not its own
+        weight = torch.empty(weight.quant_state.shape, dtype=weight.quant_state.dtype, device="meta")
+    return [("weight", weight)] + ([("bias", base.bias)] if base.bias is not None else [])
 
 
 def _full_name(mod_name: str, name: str) -> str:
@@ -186,7 +202,12 @@ def adapter_tensors(engine) -> dict:
 
 def max_param_bytes(ds_engine) -> int:
     tp = max(1, ds_engine.autotp_size())
-    return max(getattr(p, "ds_numel", p.numel()) * p.element_size() * tp for p in ds_engine.module.parameters())
+
+    def whole(p) -> int:  # a 4-bit weight goes dequantized
+        q = getattr(p, "quant_state", None)
+        return q.shape.numel() * q.dtype.itemsize if q is not None else \
+            getattr(p, "ds_numel", p.numel()) * p.element_size()
+    return max(whole(p) * tp for p in ds_engine.module.parameters())
 
 
 class WeightSender:

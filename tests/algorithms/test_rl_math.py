@@ -39,6 +39,23 @@ def test_gae_with_discount():
     close(adv, [[1.0, 1.0]])
 
 
+def test_gae_and_returns_skip_an_episodes_observation_tokens():
+    # model tokens at 0, 1 and 4; 2, 3 are an observation (out of the mask), 5 padding.
+    # r = [0, 0, x, x, 1, 0] (x: ignored), V = [.5, .6, 9, 9, .8, 9], gamma 1, lambda .5:
+    # delta4 = 1 - .8 = .2                      A4 = .2
+    # delta1 = V4 - V1 = .8 - .6 = .2           A1 = .2 + .5 * .2 = .3
+    # delta0 = .6 - .5 = .1                     A0 = .1 + .5 * .3 = .25
+    # returns = A + V = [.75, .9, 0, 0, 1.0, 0]; a reset at the observation would give A1 = delta1'
+    # = 0 - .6 (the value after the turn taken as 0): the turns would not see each other
+    mask = T([[1.0, 1, 0, 0, 1, 0]])
+    adv, ret = ADVANTAGES["gae"](token_rewards_bt=T([[0.0, 0, 7, 7, 1, 0]]),
+                                 values_bt=T([[0.5, 0.6, 9, 9, 0.8, 9]]), mask_bt=mask, gamma=1.0, lam=0.5)
+    close(adv, [[0.25, 0.3, 0, 0, 0.2, 0]])
+    close(ret, [[0.75, 0.9, 0, 0, 1.0, 0]])
+    # G over model tokens, gamma .5, r = [1, 0, x, x, 2]: G4 = 2, G1 = 0 + .5 * 2 = 1, G0 = 1 + .5 = 1.5
+    close(discounted_returns(T([[1.0, 0, 7, 7, 2, 0]]), mask, 0.5), [[1.5, 1.0, 0, 0, 2.0, 0]])
+
+
 def test_discounted_returns_and_last_token_rewards():
     # G2 = 2, G1 = 0 + .5 * 2 = 1, G0 = 1 + .5 * 1 = 1.5
     close(discounted_returns(T([[1.0, 0, 2]]), T([[1.0, 1, 1]]), 0.5), [[1.5, 1.0, 2.0]])

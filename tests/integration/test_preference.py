@@ -12,7 +12,7 @@ import math
 import pytest
 
 from elasticrl import backend
-from elasticrl.data.records import read_records, sample_indices
+from elasticrl.data.records import read_records, sample_indices, tokenize_sft
 from elasticrl.spec import load_spec
 from elasticrl.trainers.conditional import run_conditional
 from elasticrl.trainers.preference import run_preference
@@ -42,12 +42,14 @@ PREFERENCE = ["world.max_operand=9", "eval.num_prompts=0", "train.max_steps=24"]
 @pytest.mark.parametrize("variant", [
     ["algorithm=dpo", "preference.loss=ipo"],
     ["algorithm=dpo", "preference.label_smoothing=0.1"],
-    # a pair gives KTO two examples: twice the steps see the same pairs as DPO's 24
-    ["algorithm=kto", "data.packing=true", "train.max_steps=48"],
-], ids=["ipo", "cdpo", "kto-packed"])
+    # a pair gives KTO two examples: twice the steps see the same pairs as DPO's 24; LoRA adapters
+    # (at 10x the rate) on the frozen model, which with its adapters off is the reference
+    ["algorithm=kto", "data.packing=true", "train.max_steps=48", "model.lora.rank=8", "train.lr=2e-3"],
+], ids=["ipo", "cdpo", "kto-packed-lora"])
 def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, variant):
     """(DPO's own run, with a precomputed reference and packed pairs, is the straight run of its
-    resume test, in test_resume.py.)"""
+    resume test, in test_resume.py.) Under LoRA the margin starts at exactly 0 too: the reference
+    is the same model with its adapters (B = 0 at the start) switched off."""
     spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + PREFERENCE + variant + LEARNING)
     summary = run_preference(spec, tmp_path / "run")
     check_preference_learned(spec, tmp_path / "run", summary)
@@ -68,7 +70,8 @@ def check_preference_learned(spec, out, summary) -> None:
     assert last["eval/margin"] > 0.05 and last["eval/pairwise_accuracy"] > bar, last
     # the policy's own preference for the right answer grew
     assert last["eval/logp_margin"] > first["eval/logp_margin"] + 0.5, (first, last)
-    assert summary["final"]["step"] == steps and (out / "final" / "model.safetensors").is_file()
+    exported = "adapter_model.safetensors" if spec.model.lora.rank else "model.safetensors"
+    assert summary["final"]["step"] == steps and (out / "final" / exported).is_file()
     if spec.algorithm == "kto":
         assert all(r["kl_ref"] >= 0 for r in rows[1:])  # the reference point is clamped at 0
     else:
@@ -182,15 +185,38 @@ SMALL_WORLD = ["world.max_operand=9", "eval.num_prompts=0", "train.lr=1e-3", "tr
                "train.global_batch_size=64"]
 
 
-def test_reward_model_ranks_held_out_pairs(ray_cluster, tmp_path):
-    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + ["train.max_steps=60", "train.lr=5e-4"] + LEARNING)
+def test_reward_model_with_lora_ranks_held_out_pairs_and_exports_a_merged_reward_model(ray_cluster, tmp_path):
+    """Rank-8 adapters and a value head trained whole (the full fine-tune trains in tests.prepare,
+    PPO's reward model); ``export.merge`` writes a plain sequence-classification model that scores
+    the held-out pairs as the trained one did."""
+    import torch
+
+    from elasticrl.models.load import load_tokenizer, load_value_model, token_values
+
+    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + ["train.max_steps=60", "train.lr=5e-3",
+                                                                      "model.lora.rank=8", "export.merge=true"]
+                     + LEARNING)
     summary = run_rm(spec, tmp_path / "run")
     first, last = summary["initial"], summary["final"]
-    # under 4 seeds: margin 0.001-0.023 -> 1.70-2.99, pairwise accuracy (152 pairs) 0.73-0.77; a
-    # random head already orders 0.54-0.69 of the pairs, so the margin is the sign of learning
+    # full fine-tunes at lr 5e-4 under 4 seeds: margin 0.001-0.023 -> 1.70-2.99, pairwise accuracy
+    # (152 pairs) 0.73-0.77; with LoRA at 5e-3 (bf16, seed 1234): 0.021 -> 3.25, 0.757. A random
+    # head already orders 0.54-0.69 of the pairs, so the margin is the sign of learning
     assert abs(first["eval/margin"]) < 0.1 and last["eval/margin"] > 1.0, (first, last)
     assert last["eval/pairwise_accuracy"] > 0.68, last
-    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    final = tmp_path / "run" / "final"
+    assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
+    model, tok = load_value_model(final / "merged").eval(), load_tokenizer(final / "merged")
+    pairs = read_records(world_paths(spec.world)["preference_eval"], ("prompt", "chosen", "rejected"))
+    margins = []
+    with torch.no_grad():
+        for p in pairs:
+            ids = [tokenize_sft(tok, p["prompt"], p[k], spec.data.apply_chat_template, spec.data.max_length)[0]
+                   for k in ("chosen", "rejected")]
+            r = [token_values(model, torch.tensor([x]), torch.ones(1, len(x), dtype=torch.long))[0, -1] for x in ids]
+            margins.append(float(r[0] - r[1]))
+    tol = 1e-4 if backend.resolve_dtype(spec.model.dtype) == "fp32" else 0.05  # the export is in the run's dtype
+    assert sum(margins) / len(margins) == pytest.approx(last["eval/margin"], abs=tol)
+    assert sum(m > 0 for m in margins) / len(margins) == pytest.approx(last["eval/pairwise_accuracy"], abs=0.02)
 
 
 def test_process_reward_model_learns_to_find_the_wrong_step(ray_cluster, tmp_path):

@@ -270,7 +270,8 @@ def test_grpo_with_lora_syncs_adapters_into_vllm_learns_and_takes_the_base_as_it
     engines' log-probs of their samples are the trainer's within 1e-4 at T = 0.7 at every step
     while the policy has moved from the base by far more (a mean KL over 1e-3: served without the
     adapters, the engines' log-probs would be the base's), and the samples grow more accurate.
-    ``rollout.lora_sync: merged`` (3 steps) moves the whole model instead, with the same agreement."""
+    ``rollout.lora_sync: merged`` over a 4-bit base (QLoRA, ``model.lora.quantize: nf4``, 3 steps)
+    moves the whole model instead, the base dequantized, with the same agreement."""
     from safetensors import safe_open
 
     from elasticrl.engine.checkpoint import ADAPTER_WEIGHTS
@@ -292,8 +293,8 @@ def test_grpo_with_lora_syncs_adapters_into_vllm_learns_and_takes_the_base_as_it
     assert after >= before + 0.2, (before, after, [r["accuracy"] for r in steps.values()])
 
     merged = tmp_path / "merged"
-    run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + ["rl.num_steps=3", "eval.enabled=false",
-                                                          "rollout.lora_sync=merged"]), merged)
+    qlora = ["rl.num_steps=3", "eval.enabled=false", "rollout.lora_sync=merged", "model.lora.quantize=nf4"]
+    run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + qlora), merged)
     with safe_open(f"{initial_model(load_spec(EXAMPLES / 'tiny_grpo.yaml', sets))}/model.safetensors", "pt") as f:
         base = sum(f.get_tensor(k).numel() * 4 for k in f.keys())  # fp32
     for row in _steps(merged).values():

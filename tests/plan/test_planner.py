@@ -7,7 +7,7 @@ import pytest
 
 from elasticrl.plan import Inventory, PlanError, plan_job
 from elasticrl.plan.arch import KNOWN, arch_of
-from elasticrl.plan.memory import CONTEXT_BYTES, GB, TrainConfig, engine_need, model_states, trained_role
+from elasticrl.plan.memory import CONTEXT_BYTES, GB, NF4, TrainConfig, engine_need, model_states, trained_role
 from elasticrl.plan.planner import USABLE, fewer_ranks
 from elasticrl.spec import explicit_fields, load_spec, read_raw
 from tests.conftest import EXAMPLES, run_cli
@@ -214,6 +214,11 @@ def test_lora_trains_only_the_adapters_states_on_a_frozen_16_bit_base():
     assert lora["train"] - lora["rollout"] == pytest.approx(full["train"] - full["rollout"])  # same activations
     sharded = trained_role(a, "lm", 4, TrainConfig(3, False, False, 1, True, 1, A), 1024)
     assert sharded["rollout"] == pytest.approx(2 * p / 4 + (2 + 2 + 12) * A / 4 + CONTEXT_BYTES)
+    # QLoRA: the base in NF4, 4 bits a weight plus an 8-bit scale per 64 weights and an fp32 scale
+    # of those per 256 blocks: 0.5 + 1 / 64 + 4 / 16384 = 0.5159 bytes; the adapters' states as above
+    quantized = trained_role(a, "lm", 4, TrainConfig(2, False, False, 1, True, 1, A, quantized=True), 1024)
+    assert quantized["rollout"] - lora["rollout"] == pytest.approx((NF4 - 2) * p)
+    assert NF4 == pytest.approx(0.5 + 1 / 64 + 4 / 16384, abs=2e-4)
 
 
 def test_the_workstation_plans_lora_and_refuses_a_full_7b_ppo_for_its_host_memory():

@@ -18,6 +18,8 @@ def _spec(algorithm, *overrides):
     ("prm", ["train.num_ranks=4", "train.global_batch_size=64"], {"actor": 4}, [], 5),
     # the reference lives in the trainer's ranks: it shares their CPUs
     ("dpo", [], {"actor": 2, "reference": 2}, [["actor", "reference"]], 3),
+    # with LoRA the trained model with its adapters off is the reference: no copy
+    ("kto", ["model.lora.rank=8"], {"actor": 2}, [], 3),
     # 2 trainer ranks + 1 engine of 2 CPUs + the driver
     ("rejection_sampling", ["rollout.cpus_per_engine=2"], {"actor": 2, "rollout": 1}, [], 5),
     ("iterative_dpo", [], {"actor": 2, "reference": 2, "rollout": 1}, [["actor", "reference"]], 4),

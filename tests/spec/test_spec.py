@@ -1,9 +1,12 @@
 """The job spec: defaults, overrides, and bad input rejected with the field's path."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
+from elasticrl import backend
 from elasticrl.spec import JobSpec, SpecError, describe, dump_spec, load_spec, spec_to_dict
 from tests.conftest import EXAMPLES, run_cli
 
@@ -99,6 +102,18 @@ BAD = [
     ({"train": {"warmup_ratio": 1.5}}, [], "train.warmup_ratio: expected a number in [0, 1], got 1.5"),
     ({"world": {"operators": "+/"}}, [], "world.operators: expected a non-empty subset of '+-*', got '+/'"),
     ({"model": {"path": "/nonexistent/model"}}, [], "model.path: /nonexistent/model is not a folder"),
+    ({"algorithm": "grpo", "rollout": {"environment": "envs.Calculator"}}, [],
+     "rollout.environment: 'envs.Calculator' is not an import path; write package.module:name"),
+    ({"algorithm": "grpo", "rollout": {"tools": ["tools:add"]}}, [],
+     "rollout.tools: tools are offered in multi-turn episodes: set rollout.environment"),
+    ({"algorithm": "grpo", "rollout": {"environment": "envs:Env"}, "rl": {"async_rollout": True}}, [],
+     "rl.async_rollout: episodes (rollout.environment) roll out turn by turn"),
+    ({"algorithm": "dpo", "rollout": {"environment": "envs:Env"}}, [],
+     "rollout.environment: multi-turn episodes train with the RL algorithms (grpo, ppo, reinforce++, rloo), not dpo"),
+    ({"model": {"lora": {"quantize": "nf4"}}}, [], "model.lora.quantize: quantizes the frozen base of LoRA adapters: "
+                                                   "set model.lora.rank"),
+    ({"model": {"lora": {"rank": 8, "quantize": "nf4"}}, "train": {"zero_stage": 3}}, [],
+     "model.lora.quantize: a 4-bit base trains at train.zero_stage 0-2 without train.offload_params"),
     ({"data": {"train": "/nonexistent.jsonl"}}, [], "data.train: /nonexistent.jsonl not found; give a data file"),
     ({}, ["train.lr"], "--set 'train.lr': expected FIELD.PATH=VALUE"),
     ({"train": {"zero_stage": 2}}, ["train.zero_stage.x=1"],
@@ -165,3 +180,21 @@ def test_every_shipped_spec_loads_and_its_reward_functions_import():
         spec = load_spec(path, check_paths=False)
         for i, f in enumerate(spec.rewards.functions):
             assert callable(load_function(function_path(f.path, spec), f"{path.name}: rewards.functions[{i}]"))
+
+
+@pytest.mark.skipif(backend.has_gpu(), reason="on a GPU vLLM's bitsandbytes loader serves them")
+def test_served_adapters_on_a_4bit_base_are_refused_on_a_cpu():
+    with pytest.raises(SpecError, match=r"^rollout.lora_sync: served adapters on a 4-bit base are a GPU path"):
+        load_spec({"algorithm": "grpo", "model": {"lora": {"rank": 8, "quantize": "nf4"}},
+                   "rollout": {"lora_sync": "adapter"}})
+
+
+def test_a_lora_adapter_folder_is_not_taken_for_a_model(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "adapter_config.json").write_text("{}")
+    for field, spec in (("model.path", {"model": {"path": str(tmp_path / "final")}}),
+                        ("rewards.models[0].path", {"algorithm": "ppo", "rewards": {"models": [{"path": str(
+                            tmp_path / "final")}]}})):
+        with pytest.raises(SpecError, match=rf"^{re.escape(field)}: {tmp_path}/final is a LoRA adapter folder "
+                                            r"\(peft\), not a whole model; give its merged export \(export.merge"):
+            load_spec(spec)

@@ -1,0 +1,56 @@
+"""Environments and tools the episode tests run (imported by the environment processes)."""
+from __future__ import annotations
+
+import time
+
+from elasticrl.envs import Environment
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def boom() -> str:
+    """A tool that raises."""
+    raise RuntimeError("the tool broke")
+
+
+def hang() -> str:
+    """A tool that hangs."""
+    time.sleep(60)
+    return "never"
+
+
+def weird() -> object:
+    """A tool whose result is not JSON."""
+    return object()
+
+
+TOOLS = ["add", "boom", "hang", "weird"]
+
+
+def every_turn_calls(text: str) -> list[dict]:
+    """A parser for a model that knows no tool format: each turn calls one tool, by its length."""
+    name = TOOLS[len(text) % len(TOOLS)]
+    return [{"name": name, "arguments": {"a": len(text), "b": 1} if name == "add" else {}}]
+
+
+class Chatty(Environment):
+    """Two to four model turns (by the prompt's length), each answered by a tool message; the
+    last turn ends the episode with a reward of 1 and each other turn earns 0.25."""
+
+    def start(self, row: dict) -> list[dict]:
+        self.left = 1 + len(row["prompt"]) % 3
+        return super().start(row)
+
+    def step(self, text: str) -> dict:
+        if self.left == 0:
+            return {"messages": [], "reward": 1.0, "done": True}
+        self.left -= 1
+        return {"messages": [{"role": "tool", "content": f"= {len(text)}"}], "reward": 0.25, "done": False}

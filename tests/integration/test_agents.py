@@ -1,0 +1,126 @@
+"""Multi-turn episodes on the real stack: vLLM's CPU engine generating each turn, tools and
+environments in their own processes, a DeepSpeed actor scoring the episodes' sequences."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticrl.cluster import RoleGroup
+from elasticrl.spec import load_spec
+from elasticrl.trainers.rl import run_rl
+from elasticrl.trainers.warm_start import initial_model
+from tests.conftest import EXAMPLES, SEED
+from tests.integration.test_rl import BASE
+
+pytestmark = pytest.mark.slow
+
+TOOLS = [f"tests.integration.environments:{name}" for name in ("add", "boom", "hang", "weird")]
+
+
+def _expected_mask(tok, prompt_ids: list[int], messages: list[dict], tokens: list[int], finished: bool) -> list[bool]:
+    """Which of ``tokens`` are the model's, read off the template's rendering of the episode's
+    conversation: the characters of each assistant turn's content and its end of turn."""
+    from elasticrl.rollout.episodes import render
+
+    model_chars = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start = len(render(tok, messages[:i], [], True))
+            close = len(tok.eos_token) if finished or i < len(messages) - 1 else 0
+            model_chars.append((start, start + len(m["content"]) + close))
+    text = render(tok, messages, [], False) if finished else render(tok, messages[:-1], [], True) + \
+        messages[-1]["content"]
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in prompt_ids + tokens]
+    assert "".join(pieces) == text  # the sequence is the conversation as the template renders it
+    out, at = [], 0
+    for p in pieces:
+        out.append(any(a <= at < b for a, b in model_chars))
+        at += len(p)
+    return out[len(prompt_ids):]
+
+
+def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_trainers(ray_cluster, tmp_path):
+    """Episodes of up to 3 turns whose every turn calls a tool (a parser that makes one call per
+    turn): a tool that adds, one that raises, one that hangs past rollout.tool_timeout_s and one
+    that returns something not JSON. Each failure is the model's next observation, counted, and
+    the episodes go on. The sequences hold the observations' tokens as the template renders
+    them, the loss mask exactly the model's tokens (read off the rendering, token by token), and
+    at T = 0.7 the engine's log-prob of every model token is the trainer's and an independent
+    fp32 forward's within 1e-4."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from elasticrl.algorithms.logprobs import token_logprobs
+    from elasticrl.data.records import read_records
+    from elasticrl.envs.pool import EnvironmentPool
+    from elasticrl.models import load_tokenizer
+    from elasticrl.rollout.episodes import run_episodes
+    from elasticrl.rollout.pool import RolloutPool, sampling_params
+    from elasticrl.spec import spec_to_dict
+    from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
+    from elasticrl.trainers.rl_workers import ActorWorker
+    from elasticrl.world import world_paths
+
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["rl.temperature=0.7", "train.num_ranks=1",
+                                                          "rl.max_new_tokens=6", "rollout.max_model_len=256"])
+    model = initial_model(spec)
+    tok = load_tokenizer(model)
+    rows = read_records(world_paths(spec.world)["rl_prompts"])[:8]
+    envs = EnvironmentPool({"environment": "elasticrl.envs:ToolEnvironment", "tools": TOOLS,
+                            "parser": "tests.integration.environments:every_turn_calls", "timeout_s": 0.3},
+                           timeout_s=30, workers=2)
+    pool = RolloutPool(model, spec.rollout, "fp32", spec.seed)
+    actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(spec), model)
+    try:
+        envs.start()
+        actor.setup(10)
+        samples, info = run_episodes(pool, envs, tok, rows, {**sampling_params(spec, 0), "n": 2}, 3, 256, 256)
+        batch = pack([r.prompt_ids for r in samples], [r.token_ids for r in samples], tok.pad_token_id,
+                     [r.mask for r in samples])
+        trainer = gather_rows(actor.call("logprobs", batch), "logprobs")
+    finally:
+        actor.shutdown()
+        pool.shutdown()
+        envs.close()
+    assert len(samples) == 16 and [r.prompt_index for r in samples] == [k // 2 for k in range(16)]
+    turns = [sum(m["role"] == "assistant" for m in r.episode["messages"]) for r in samples]
+    assert info["episode/turns"] == sum(turns) / 16 and max(turns) == 3 and sum(t >= 2 for t in turns) >= 8, turns
+    tool_msgs = [m["content"] for r in samples for m in r.episode["messages"] if m["role"] == "tool"]
+    errors = [c for c in tool_msgs if c.startswith("error: ")]
+    # every turn the environment saw made one call (the last turn's ran too, its result unseen)
+    last_seen = sum(r.finish_reason == "stop" for r in samples)
+    assert info["episode/tool_calls"] * 16 == len(tool_msgs) + last_seen
+    assert len(errors) <= info["episode/tool_errors"] * 16 <= len(errors) + last_seen
+    assert {c.split(" raised")[0].split(" timed")[0].split(" returned")[0] for c in errors} <= \
+        {"error: boom", "error: hang", "error: weird"} and len(errors) >= 3, tool_msgs
+    assert info["time/environment"] > 0 and info["episode/env_errors"] == 0
+    for i, r in enumerate(samples):
+        expected = _expected_mask(tok, r.prompt_ids, r.episode["messages"], r.token_ids, r.finish_reason == "stop")
+        assert r.mask == expected and len(r.logprobs) == sum(r.mask) == batch.response_mask[i].sum()
+    mask = batch.response_mask
+    engine = behaviour_logprobs(samples, batch)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected = token_logprobs(logits, batch.labels, 0.7) * mask
+    torch.testing.assert_close(trainer * mask, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(engine * mask, expected, atol=1e-4, rtol=0)
+
+
+def test_grpo_on_episodes_scores_the_environments_rewards_and_reports_the_episodes(ray_cluster, tmp_path):
+    """GRPO (2 steps, evaluation at the start and the end) with an environment of 2-4 turns that
+    rewards every turn: the rewards are the environment's plus the verifier's, the engines'
+    log-probs of every model token the trainer's, and the episode figures in metrics.jsonl."""
+    sets = BASE + [SEED, "train.num_ranks=1", "rl.num_steps=2", "rl.temperature=0.7", "rl.max_turns=4",
+                   "rollout.max_model_len=128", "rollout.environment=tests.integration.environments:Chatty",
+                   "eval.num_prompts=8", "eval.every_steps=2", "rl.eval_samples=1", "rewards.workers=1"]
+    run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets), tmp_path / "run")
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0 and "reward/mean" in r]
+    assert len(steps) == 2 and [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2]
+    for r in steps:
+        assert 1.5 <= r["episode/turns"] <= 4 and r["episode/tool_calls"] == 0 and r["time/environment"] > 0
+        # the verifier (weight 1) scores 1 for a right last turn: the accuracy; the rest is the environment's
+        assert r["reward/mean"] == pytest.approx(r["episode/reward"] + r["accuracy"], abs=1e-6)
+        assert r["episode/reward"] > 0.5 and r["rollout/logprob_gap"] <= 1e-4, r
