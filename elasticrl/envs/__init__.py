@@ -114,6 +114,39 @@ class ToolEnvironment(Environment):
             raise ToolError(f"{call['name']} returned {type(result).__name__}, which is not JSON") from None
 
 
+class RemoteEnvironment(Environment):
+    """An environment served over HTTP (``rollout.environment: http(s)://HOST/PATH``), JSON in
+    and out: POST PATH/start {"row": {...}} -> {"episode": an id, "messages": [...]}, then for
+    each turn POST PATH/step {"episode": id, "text": "..."} -> {"messages", "reward", "done"}.
+    A request times out at ``rollout.tool_timeout_s`` and is retried after a timeout, a lost
+    connection or an HTTP 5xx (``rollout.environment_retries``, backing off); the retries are
+    counted (``episode/env_retries``), a request that fails for good ends the episode."""
+
+    url: str = ""
+    timeout_s: float = 30.0
+    retries: int = 3
+
+    def _post(self, path: str, body: dict) -> dict:
+        from elasticrl.rewards.remote import post_json
+
+        reply, failed = post_json(self.url.rstrip("/") + path, body, self.timeout_s, self.retries, 0.2,
+                                  f"environment {self.url}")
+        self.retried = getattr(self, "retried", 0) + failed
+        if not isinstance(reply, dict):
+            raise RuntimeError(f"environment {self.url}{path}: expected a JSON object, got {str(reply)[:80]}")
+        return reply
+
+    def start(self, row: dict) -> list[dict]:
+        reply = self._post("/start", {"row": row})
+        self.episode = reply.get("episode")
+        return reply.get("messages", [])
+
+    def step(self, text: str) -> dict:
+        reply = self._post("/step", {"episode": self.episode, "text": text})
+        reply["retries"], self.retried = self.retried, 0
+        return reply
+
+
 def tool_schemas(tools: list[Callable]) -> list[dict]:
     from transformers.utils import get_json_schema
 

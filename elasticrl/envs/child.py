@@ -1,12 +1,13 @@
 """The process environments run in (``python -m elasticrl.envs.child CONFIG``), JSON lines
 both ways as the reward process (``rewards.isolated.ChildProcess``), never pickle.
 
-CONFIG: {"environment": import path, "tools": [import paths], "parser": "hermes" or an
-import path, "timeout_s": seconds per tool call}. A request is {"items": [...]}, each item
+CONFIG: {"environment": import path or http(s) URL, "tools": [import paths], "parser":
+"hermes" or an import path, "timeout_s": seconds per tool call or remote request, "retries":
+a remote request's}. A request is {"items": [...]}, each item
 {"op": "start", "id": episode, "row": {...}}, {"op": "step", "id": episode, "text": "..."}
 or {"op": "end", "id": episode}; one reply per item: {"v": ...} or {"e": "what went wrong"}.
 A start answers {"messages", "tools"} (the tools' JSON schemas), a step {"messages",
-"reward", "done", "tool_calls", "tool_errors"}."""
+"reward", "done", "tool_calls", "tool_errors", "retries"}."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import math
 import os
 import sys
 
-from elasticrl.envs import Environment, ToolEnvironment, parse_hermes, tool_schemas
+from elasticrl.envs import Environment, RemoteEnvironment, ToolEnvironment, parse_hermes, tool_schemas
 
 
 def environment_class(config: dict) -> type:
@@ -22,6 +23,9 @@ def environment_class(config: dict) -> type:
     does not import, naming its field)."""
     from elasticrl.rewards.functions import load_function
 
+    if config["environment"].startswith(("http://", "https://")):
+        return type("Remote", (RemoteEnvironment,), {"url": config["environment"], "timeout_s": config["timeout_s"],
+                                                     "retries": config["retries"]})
     cls = load_function(config["environment"], "rollout.environment")
     if not (isinstance(cls, type) and issubclass(cls, Environment)) and not (
             hasattr(cls, "start") and hasattr(cls, "step")):
@@ -50,7 +54,8 @@ def _turn(value) -> dict:
                                or not math.isfinite(reward)):
         raise ValueError(f"step gave reward {reward!r}, not a finite number or None")
     return {"messages": _messages(value.get("messages", [])), "reward": reward, "done": bool(value.get("done")),
-            "tool_calls": int(value.get("tool_calls", 0)), "tool_errors": int(value.get("tool_errors", 0))}
+            "tool_calls": int(value.get("tool_calls", 0)), "tool_errors": int(value.get("tool_errors", 0)),
+            "retries": int(value.get("retries", 0))}
 
 
 def main(config: dict) -> int:

@@ -18,7 +18,8 @@ def environments(spec: JobSpec):
         yield None
         return
     pool = EnvironmentPool({"environment": ro.environment, "tools": ro.tools, "parser": ro.tool_parser,
-                            "timeout_s": ro.tool_timeout_s}, ro.environment_timeout_s, spec.rewards.workers)
+                            "timeout_s": ro.tool_timeout_s, "retries": ro.environment_retries},
+                           ro.environment_timeout_s, spec.rewards.workers)
     try:
         pool.start()
         yield pool

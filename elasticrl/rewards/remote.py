@@ -13,6 +13,33 @@ import urllib.error
 import urllib.request
 
 
+def post_json(url: str, body: dict, timeout_s: float, retries: int, backoff_s: float, what: str) -> tuple:
+    """POST ``body`` as JSON; (the JSON reply, the attempts that failed before it). Timeouts,
+    connection errors and HTTP 5xx are retried with exponential back-off; any other failure,
+    or the last retry's, raises RuntimeError naming ``what``."""
+    data, last_error = json.dumps(body).encode(), None
+    for attempt in range(retries + 1):
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                raw = resp.read()
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:  # the endpoint refused the request: retrying will not help
+                raise RuntimeError(f"{what} answered HTTP {exc.code}") from None
+            last_error = exc
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            last_error = exc
+        if attempt < retries:
+            time.sleep(backoff_s * 2 ** attempt)
+    else:
+        raise RuntimeError(f"{what} failed {retries + 1} times: {last_error}")
+    try:
+        return json.loads(raw.decode()), attempt
+    except (UnicodeDecodeError, ValueError):
+        raise RuntimeError(f"{what}: the reply is not JSON: {raw[:200]!r}") from None
+
+
 class RemoteReward:
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5):
         if not url.startswith(("http://", "https://")):
@@ -20,28 +47,8 @@ class RemoteReward:
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list) -> list[float]:
-        body = json.dumps({"prompts": prompts, "completions": completions, "answers": answers}).encode()
-        last_error = None
-        for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    raw = resp.read()
-                break
-            except urllib.error.HTTPError as exc:
-                if exc.code < 500:  # the endpoint refused the request: retrying will not help
-                    raise RuntimeError(f"reward endpoint {self.url} answered HTTP {exc.code}") from None
-                last_error = exc
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                last_error = exc
-            if attempt < self.retries:
-                time.sleep(self.backoff_s * 2 ** attempt)
-        else:
-            raise RuntimeError(f"reward endpoint {self.url} failed {self.retries + 1} times: {last_error}")
-        try:
-            reply = json.loads(raw.decode())
-        except (UnicodeDecodeError, ValueError):
-            raise RuntimeError(f"reward endpoint {self.url}: the reply is not JSON: {raw[:200]!r}") from None
+        reply, _ = post_json(self.url, {"prompts": prompts, "completions": completions, "answers": answers},
+                             self.timeout_s, self.retries, self.backoff_s, f"reward endpoint {self.url}")
         rewards = reply.get("rewards") if isinstance(reply, dict) else None
         if not isinstance(rewards, list) or len(rewards) != len(completions) or \
                 not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):

@@ -38,6 +38,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    retries: int = 0                               # a remote environment's requests retried
     reward: float = 0.0                            # the environment's, summed over turns
     version: int | None = None                     # the oldest weights that generated a turn
     text: str = ""                                 # the model's last turn
@@ -119,6 +120,7 @@ def run_episodes(pool, envs: EnvironmentPool, tokenizer, rows: list[dict], sampl
                 continue
             e.tool_calls += got["tool_calls"]
             e.tool_errors += got["tool_errors"]
+            e.retries += got["retries"]
             e.reward += got["reward"] or 0.0
             if got["done"] or turn == max_turns - 1:  # (past the last turn, no observation is needed)
                 e.done, e.truncated = True, not got["done"]
@@ -133,9 +135,13 @@ def run_episodes(pool, envs: EnvironmentPool, tokenizer, rows: list[dict], sampl
                           "reward": e.reward, "error": e.error,
                           "messages": e.messages + ([{"role": "assistant", "content": e.text}] if e.turns else [])})
                for k, e in enumerate(eps)]
-    n = max(1, len(eps))
-    info = {"episode/turns": sum(e.turns for e in eps) / n, "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
-            "episode/tool_errors": sum(e.tool_errors for e in eps) / n,
-            "episode/truncated": sum(e.truncated for e in eps) / n, "episode/reward": sum(e.reward for e in eps) / n,
-            "episode/env_errors": sum(e.error is not None for e in eps), "time/environment": t_env}
+    count = max(1, len(eps))
+    info = {"episode/turns": sum(e.turns for e in eps) / count,
+            "episode/tool_calls": sum(e.tool_calls for e in eps) / count,
+            "episode/tool_errors": sum(e.tool_errors for e in eps) / count,
+            "episode/tool_success": 1 - sum(e.tool_errors for e in eps) / max(1, sum(e.tool_calls for e in eps)),
+            "episode/truncated": sum(e.truncated for e in eps) / count,
+            "episode/reward": sum(e.reward for e in eps) / count,
+            "episode/env_errors": sum(e.error is not None for e in eps),
+            "episode/env_retries": sum(e.retries for e in eps), "time/environment": t_env}
     return samples, info

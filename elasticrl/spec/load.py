@@ -371,11 +371,16 @@ def _check_rl(spec: JobSpec) -> None:
     if ro.environment and rl.async_rollout:
         raise SpecError("rl.async_rollout", "episodes (rollout.environment) roll out turn by turn on the current "
                                             "weights; set rl.async_rollout: false")
-    for i, path in enumerate([ro.environment or "x:x", ro.tool_parser if ro.tool_parser != "hermes" else "x:x",
-                              *ro.tools]):
+    remote = (ro.environment or "").startswith(("http://", "https://"))
+    for i, path in enumerate([ro.environment if ro.environment and not remote else "x:x",
+                              ro.tool_parser if ro.tool_parser != "hermes" else "x:x", *ro.tools]):
         if ":" not in path:
             field = ["rollout.environment", "rollout.tool_parser"][i] if i < 2 else f"rollout.tools[{i - 2}]"
-            raise SpecError(field, f"{path!r} is not an import path; write package.module:name")
+            raise SpecError(field, f"{path!r} is not an import path; write package.module:name"
+                                   + (" or an http(s) URL" if i == 0 else ""))
+    if ro.environment and not spec.data.apply_chat_template:
+        raise SpecError("data.apply_chat_template", "episodes (rollout.environment) are conversations in the chat "
+                                                    "template; turn it on")
     if ro.tools and not ro.environment:
         raise SpecError("rollout.tools", "tools are offered in multi-turn episodes: set rollout.environment: "
                                          "elasticrl.envs:ToolEnvironment")

@@ -24,7 +24,10 @@ def doc(text: str, default=None, *, factory=None, min=None, max=None, exclusive_
 class WorldSpec:
     """The embedded tiny world: model, tokenizer and data the project builds itself."""
 
-    task: Literal["arithmetic"] = doc("Toy task the synthetic data teaches.", "arithmetic")
+    task: Literal["arithmetic", "calculator"] = doc(
+        "Toy task the synthetic data teaches: 'arithmetic', or 'calculator', the same with multiplication up to "
+        "max_operand (too hard for the tiny model alone) and a calculator tool it learns to call "
+        "(elasticrl.world.calculator; examples/tiny_agent.yaml).", "arithmetic")
     model_size: Literal[tuple(PRESETS)] = doc(
         "Preset size of the tiny Llama (parameters).", "2m")
     max_operand: int = doc("Largest operand of the arithmetic problems.", 30, min=1, max=999)
@@ -32,6 +35,8 @@ class WorldSpec:
     num_train: int = doc("Number of training problems generated.", 20000, min=1)
     num_eval: int = doc("Number of held-out evaluation problems generated.", 256, min=1)
     seed: int = doc("Seed of the world: same seed, same bytes on every machine.", 0, min=0, max=2 ** 32 - 1)
+    tool_demos: float = doc("Task calculator: the share of SFT rows that call the calculator (the others answer "
+                            "directly).", 0.2, min=0, max=1)
 
 
 @dataclass
@@ -181,16 +186,18 @@ class RolloutSpec:
     environment: Optional[str] = doc(
         "Multi-turn episodes: an environment class (package.module:Class, one instance per episode, in "
         "rewards.workers processes of its own; elasticrl.envs:ToolEnvironment answers tool calls with "
-        "rollout.tools) that answers each model turn with the next observation (README, Agents and tools); "
-        "null: one completion per prompt.", None)
+        "rollout.tools) or an http(s) URL serving one (elasticrl.envs.RemoteEnvironment), which answers each "
+        "model turn with the next observation (README, Agents and tools); null: one completion per prompt.", None)
     tools: list[str] = doc("Tools offered to the model (package.module:function; a type-hinted function with a "
                            "Google-style docstring, its JSON schema from both), besides the environment's own.",
                            factory=list)
     tool_parser: str = doc("How tool calls are read from the model's text: 'hermes' (<tool_call>{\"name\", "
                            "\"arguments\"}</tool_call>, Hermes and Qwen templates) or package.module:function "
                            "(text -> [{name, arguments}]).", "hermes")
-    tool_timeout_s: float = doc("A tool call running longer is stopped and answered with an error.", 10.0, min=0,
-                                exclusive_min=True)
+    tool_timeout_s: float = doc("A tool call running longer is stopped and answered with an error; a remote "
+                                "environment's request running longer is retried.", 10.0, min=0, exclusive_min=True)
+    environment_retries: int = doc("Retries of a remote environment's request after a timeout, a lost connection "
+                                   "or an HTTP 5xx.", 3, min=0)
     environment_timeout_s: float = doc("An environment process that gives no answer for this long is killed "
                                        "(its episodes end, truncated) and started again.", 120.0, min=0,
                                        exclusive_min=True)

@@ -65,6 +65,18 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(numbers, step=row["step"])
 
+    def episodes(self, step: int, samples: list) -> None:
+        """Evaluation episodes, whole (multi-turn rollouts): appended to ``OUTPUT/episodes.jsonl``
+        and, with TensorBoard, shown in its text tab."""
+        rows = [{"step": step, "reward": s.episode["reward"], "error": s.episode["error"],
+                 "messages": s.episode["messages"]} for s in samples]
+        with open(self.path.with_name("episodes.jsonl"), "a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in rows))
+        if self.tensorboard is not None:
+            text = "\n\n---\n\n".join("\n\n".join(f"**{m['role']}**: `{m['content']}`" for m in r["messages"])
+                                          for r in rows)
+            self.tensorboard.add_text("episodes", text, step)
+
     def close(self) -> None:
         self.fh.close()
         if self.tensorboard is not None:

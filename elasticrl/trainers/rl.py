@@ -175,6 +175,8 @@ def _train_run(run: Run, resume: Resume) -> dict:
         summary["initial"] = {"step": 0, **evaluate_answers(spec, roles.pool, run.eval_ids, run.evals,
                                                             run.rewards.verify, _eval_episodes(run))}
         run.metrics.write(summary["initial"])
+        if run.shown:
+            run.metrics.episodes(0, run.shown)
     run.progress = Progress(spec.rl.num_steps, start, spec.log.progress_bar, desc=spec.algorithm)
     row: dict = {}
     step = start
@@ -241,9 +243,21 @@ def _episodes(run: Run, rows: list[dict], sampling: dict) -> tuple[list[Sample],
                         spec.rl.max_episode_tokens or spec.rollout.max_model_len, spec.rollout.max_model_len)
 
 
+EPISODES_SHOWN = 4  # evaluation episodes written out whole each evaluation
+
+
 def _eval_episodes(run: Run):
-    """Evaluation's episodes (``evaluate_answers``), with an environment; else None."""
-    return (lambda rows, sampling: _episodes(run, rows, sampling)[0]) if run.spec.rollout.environment else None
+    """Evaluation's episodes (``evaluate_answers``), with an environment (the greedy ones'
+    first few kept in ``run.shown`` for the log); else None."""
+    if not run.spec.rollout.environment:
+        return None
+
+    def generate(rows: list[dict], sampling: dict) -> list[Sample]:
+        samples = _episodes(run, rows, sampling)[0]
+        if sampling.get("temperature") == 0.0:
+            run.shown = samples[:EPISODES_SHOWN]
+        return samples
+    return generate
 
 
 def _draw(run: Run) -> list[int]:
@@ -516,6 +530,8 @@ def report(run: Run, s: Step) -> dict:
     if evaluated:
         row.update(evaluate_answers(spec, run.roles.pool, run.eval_ids, run.evals, run.rewards.verify,
                                     _eval_episodes(run)))
+        if run.shown:
+            run.metrics.episodes(done, run.shown)
     run.checkpoints.poll()
     row.update(run.checkpoints.figures())
     if run.cadence.log(done, evaluated):

@@ -199,6 +199,7 @@ class Run:
     recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
     scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
     envs: object = None                              # the environment processes (rollout.environment), or None
+    shown: list = field(default_factory=list)        # the last evaluation's first greedy episodes, for the log
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
     copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
 

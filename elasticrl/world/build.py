@@ -50,7 +50,13 @@ def _build_into(world: WorldSpec, out: Path) -> None:
     model = build_model(world.model_size, tokenizer, world.seed)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
-    records = make_records(world.max_operand, world.operators, world.num_train, world.num_eval, world.seed)
+    calculator = world.task == "calculator"
+    records = make_records(world.max_operand, world.operators, world.num_train, world.num_eval, world.seed,
+                           mul_max=world.max_operand if calculator else 12)
+    if calculator:
+        from elasticrl.world.calculator import with_calculator
+
+        records = with_calculator(records, world.tool_demos, world.seed)
     (out / "data").mkdir()
     for name in DATASETS:
         with open(out / "data" / f"{name}.jsonl", "w") as fh:

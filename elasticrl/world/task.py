@@ -11,11 +11,12 @@ import re
 _INT = re.compile(r"-?\d+")
 
 
-def enumerate_problems(max_operand: int, operators: str) -> list[tuple[str, int]]:
-    """Every distinct (prompt, answer); subtraction keeps answers non-negative."""
+def enumerate_problems(max_operand: int, operators: str, mul_max: int = 12) -> list[tuple[str, int]]:
+    """Every distinct (prompt, answer); subtraction keeps answers non-negative, multiplication
+    takes operands up to ``mul_max``."""
     out = []
     for op in operators:
-        hi = min(max_operand, 12) if op == "*" else max_operand
+        hi = min(max_operand, mul_max) if op == "*" else max_operand
         for a in range(hi + 1):
             for b in range(hi + 1):
                 if op == "-" and b > a:
@@ -25,8 +26,8 @@ def enumerate_problems(max_operand: int, operators: str) -> list[tuple[str, int]
     return out
 
 
-def split_problems(max_operand: int, operators: str, num_eval: int, seed: int):
-    problems = enumerate_problems(max_operand, operators)
+def split_problems(max_operand: int, operators: str, num_eval: int, seed: int, mul_max: int = 12):
+    problems = enumerate_problems(max_operand, operators, mul_max)
     random.Random(seed).shuffle(problems)
     num_eval = min(num_eval, len(problems) // 4)
     return problems[num_eval:], problems[:num_eval]
@@ -46,9 +47,10 @@ def is_correct(completion: str, answer: str | int) -> bool:
     return completion.strip() == str(answer).strip()
 
 
-def make_records(max_operand: int, operators: str, num_train: int, num_eval: int, seed: int) -> dict:
+def make_records(max_operand: int, operators: str, num_train: int, num_eval: int, seed: int,
+                 mul_max: int = 12) -> dict:
     """The world's datasets as lists of dicts, deterministic in their arguments."""
-    train, held_out = split_problems(max_operand, operators, num_eval, seed)
+    train, held_out = split_problems(max_operand, operators, num_eval, seed, mul_max)
     rng = random.Random(seed + 1)
     sft, prompts = [], []
     for _ in range(num_train):

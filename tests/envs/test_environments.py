@@ -3,8 +3,12 @@ signatures, each way a tool can fail becoming an error observation, a lost proce
 observation tokens an episode appends as the chat template renders them."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -43,7 +47,7 @@ def _call(name: str, args: str = "{}") -> str:
 
 def test_every_tool_failure_is_an_error_observation_and_a_lost_process_ends_its_episodes_only():
     envs = EnvironmentPool({"environment": "elasticrl.envs:ToolEnvironment", "tools": TOOLS, "parser": "hermes",
-                            "timeout_s": 0.5}, timeout_s=5, workers=2)
+                            "timeout_s": 0.5, "retries": 0}, timeout_s=5, workers=2)
     try:
         envs.start()
         rows = [{"prompt": f"{k}+1="} for k in range(6)]
@@ -62,7 +66,7 @@ def test_every_tool_failure_is_an_error_observation_and_a_lost_process_ends_its_
         assert not any(g["done"] for g in got)
         # the processes went on: a turn without a call is the answer, which ends the episode
         assert envs.ask([{"op": "step", "id": 2, "text": "3"}])[0] == {
-            "messages": [], "reward": None, "done": True, "tool_calls": 0, "tool_errors": 0}
+            "messages": [], "reward": None, "done": True, "tool_calls": 0, "tool_errors": 0, "retries": 0}
         # a process killed by its PID: the episodes that lived in it end with why; the other's go on
         lost = envs.procs[1]
         pid = lost.proc.pid
@@ -77,8 +81,8 @@ def test_every_tool_failure_is_an_error_observation_and_a_lost_process_ends_its_
 
 
 def test_an_environment_that_does_not_import_fails_at_start_in_one_line():
-    envs = EnvironmentPool({"environment": "no_such_module:Env", "tools": [], "parser": "hermes", "timeout_s": 1},
-                           timeout_s=5, workers=1)
+    envs = EnvironmentPool({"environment": "no_such_module:Env", "tools": [], "parser": "hermes", "timeout_s": 1,
+                            "retries": 0}, timeout_s=5, workers=1)
     with pytest.raises(ValueError, match=r"^rollout.environment: cannot import 'no_such_module:Env'"):
         envs.start()
     envs.close()
@@ -99,3 +103,58 @@ def test_observation_tokens_are_what_the_template_adds_after_the_models_own_toke
     ids = observation_ids(tok, e, generated, [{"role": "tool", "content": "= 3"}])
     assert ids == tok(tail + "<|user|>= 3" + closing + "<|assistant|>", add_special_tokens=False)["input_ids"]
     assert tok.decode(ids, skip_special_tokens=False) == tail + "<|user|>= 3" + closing + "<|assistant|>"
+
+
+class _Remote(BaseHTTPRequestHandler):
+    """An environment over HTTP: /start opens an episode; /step answers 503 at its first call
+    and hangs past the client's timeout at its second, then ends the episode with a reward of 1;
+    /down always answers 503."""
+
+    steps: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.endswith("/start"):
+            reply = {"episode": body["row"]["prompt"], "messages": [{"role": "user", "content": body["row"]["prompt"]}]}
+        else:
+            self.steps.append(body)
+            if len(self.steps) == 1 or "/down/" in self.path:
+                self.send_error(503)
+                return
+            if len(self.steps) == 2:
+                time.sleep(1.0)
+            reply = {"messages": [], "reward": 1.0, "done": True}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_remote_environment_retries_a_503_and_a_timeout_and_one_that_stays_down_ends_its_episode_only():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Remote)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    pools = [EnvironmentPool({"environment": u, "tools": [], "parser": "hermes", "timeout_s": 0.3, "retries": r},
+                             timeout_s=10, workers=1) for u, r in ((f"{url}/env", 3), (f"{url}/down/env", 1))]
+    try:
+        for envs in pools:
+            envs.start()
+        up, down = pools
+        assert up.ask([{"op": "start", "id": 0, "row": {"prompt": "6*7="}}])[0]["messages"] == \
+            [{"role": "user", "content": "6*7="}]
+        got = up.ask([{"op": "step", "id": 0, "text": "42"}])[0]
+        assert got == {"messages": [], "reward": 1.0, "done": True, "tool_calls": 0, "tool_errors": 0, "retries": 2}
+        assert [s["episode"] for s in _Remote.steps] == ["6*7="] * 3 and _Remote.steps[0]["text"] == "42"
+        down.ask([{"op": "start", "id": 0, "row": {"prompt": "1*1="}}])
+        failed = down.ask([{"op": "step", "id": 0, "text": "1"}])[0]
+        assert failed.startswith(f"RuntimeError: environment {url}/down/env failed 2 times: HTTP Error 503"), failed
+        assert up.ask([{"op": "start", "id": 1, "row": {"prompt": "2*3="}}])[0]["messages"]  # the pool goes on
+    finally:
+        for envs in pools:
+            envs.close()
+        server.shutdown()

@@ -1,6 +1,8 @@
 """Environments and tools the episode tests run (imported by the environment processes)."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 from elasticrl.envs import Environment
@@ -54,3 +56,20 @@ class Chatty(Environment):
             return {"messages": [], "reward": 1.0, "done": True}
         self.left -= 1
         return {"messages": [{"role": "tool", "content": f"= {len(text)}"}], "reward": 0.25, "done": False}
+
+
+class Killer(Chatty):
+    """Chatty, and a row's ``kill`` PID (a rollout engine's) gets SIGKILL at its second turn."""
+
+    def start(self, row: dict) -> list[dict]:
+        self.victim = row.get("kill")
+        return super().start(row)
+
+    def step(self, text: str) -> dict:
+        if self.victim and self.left == 1:
+            try:
+                os.kill(self.victim, signal.SIGKILL)
+            except ProcessLookupError:  # the row's other episode killed it already
+                pass
+            self.victim = None
+        return super().step(text)

@@ -11,7 +11,7 @@ from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
 from tests.conftest import EXAMPLES, SEED
-from tests.integration.test_rl import BASE
+from tests.integration.test_rl import BASE, HF_ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +41,18 @@ def _expected_mask(tok, prompt_ids: list[int], messages: list[dict], tokens: lis
 
 
 def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_trainers(ray_cluster, tmp_path):
-    """Episodes of up to 3 turns whose every turn calls a tool (a parser that makes one call per
+    """Episodes of up to 4 turns whose every turn calls a tool (a parser that makes one call per
     turn): a tool that adds, one that raises, one that hangs past rollout.tool_timeout_s and one
     that returns something not JSON. Each failure is the model's next observation, counted, and
     the episodes go on. The sequences hold the observations' tokens as the template renders
     them, the loss mask exactly the model's tokens (read off the rendering, token by token), and
     at T = 0.7 the engine's log-prob of every model token is the trainer's and an independent
-    fp32 forward's within 1e-4."""
+    fp32 forward's within 1e-4. Then, on the same two engines, episodes of 2-4 turns (an
+    environment rewarding each turn) twice, the second time with one engine SIGKILLed between
+    two turns (by the environment, at an episode's second turn): its turns go to the live engine
+    and, each turn seeded by (step, episode, turn), every episode and figure is as before."""
+    import dataclasses
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -61,31 +66,44 @@ def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_
     from elasticrl.trainers.batch import behaviour_logprobs, gather_rows, pack
     from elasticrl.trainers.rl_workers import ActorWorker
     from elasticrl.world import world_paths
+    from tests.integration.faults import actor_pids
 
     spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["rl.temperature=0.7", "train.num_ranks=1",
-                                                          "rl.max_new_tokens=6", "rollout.max_model_len=256"])
+                                                          "rl.max_new_tokens=6", "rollout.max_model_len=320",
+                                                          "rollout.num_engines=2"])
     model = initial_model(spec)
     tok = load_tokenizer(model)
-    rows = read_records(world_paths(spec.world)["rl_prompts"])[:8]
+    rows = list(read_records(world_paths(spec.world)["rl_prompts"])[:8])
     envs = EnvironmentPool({"environment": "elasticrl.envs:ToolEnvironment", "tools": TOOLS,
-                            "parser": "tests.integration.environments:every_turn_calls", "timeout_s": 0.3},
+                            "parser": "tests.integration.environments:every_turn_calls", "timeout_s": 0.3,
+                            "retries": 0},
                            timeout_s=30, workers=2)
+    chatty = EnvironmentPool({"environment": "tests.integration.environments:Killer", "tools": [],
+                              "parser": "hermes", "timeout_s": 5, "retries": 0}, timeout_s=30, workers=1)
     pool = RolloutPool(model, spec.rollout, "fp32", spec.seed)
     actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(spec), model)
+    sampling = {**sampling_params(spec, 0), "n": 2}
     try:
         envs.start()
+        chatty.start()
         actor.setup(10)
-        samples, info = run_episodes(pool, envs, tok, rows, {**sampling_params(spec, 0), "n": 2}, 3, 256, 256)
+        samples, info = run_episodes(pool, envs, tok, rows, sampling, 4, 320, 320)
         batch = pack([r.prompt_ids for r in samples], [r.token_ids for r in samples], tok.pad_token_id,
                      [r.mask for r in samples])
         trainer = gather_rows(actor.call("logprobs", batch), "logprobs")
+        before, talk = run_episodes(pool, chatty, tok, rows, sampling, 4, 256, 256)
+        victim = actor_pids("RolloutEngine")[-1]
+        after, talk_after = run_episodes(pool, chatty, tok, [{**rows[0], "kill": victim}] + rows[1:], sampling,
+                                         4, 256, 256)
+        deaths = pool.deaths
     finally:
         actor.shutdown()
         pool.shutdown()
         envs.close()
+        chatty.close()
     assert len(samples) == 16 and [r.prompt_index for r in samples] == [k // 2 for k in range(16)]
     turns = [sum(m["role"] == "assistant" for m in r.episode["messages"]) for r in samples]
-    assert info["episode/turns"] == sum(turns) / 16 and max(turns) == 3 and sum(t >= 2 for t in turns) >= 8, turns
+    assert info["episode/turns"] == sum(turns) / 16 and max(turns) == 4 and sum(t >= 2 for t in turns) >= 8, turns
     tool_msgs = [m["content"] for r in samples for m in r.episode["messages"] if m["role"] == "tool"]
     errors = [c for c in tool_msgs if c.startswith("error: ")]
     # every turn the environment saw made one call (the last turn's ran too, its result unseen)
@@ -107,15 +125,30 @@ def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_
     torch.testing.assert_close(trainer * mask, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(engine * mask, expected, atol=1e-4, rtol=0)
 
+    assert deaths == 1 and victim not in actor_pids("RolloutEngine")
+    assert talk["episode/turns"] >= 2 and {k: v for k, v in talk.items() if k != "time/environment"} == \
+        {k: v for k, v in talk_after.items() if k != "time/environment"}
+    for a, b in zip(before, after):
+        assert dataclasses.replace(a, logprobs=[]) == dataclasses.replace(b, logprobs=[])
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        turns = sum(m["role"] == "assistant" for m in a.episode["messages"])
+        if a.finish_reason == "stop":  # finished: 0.25 a turn before the last, 1 for the last
+            assert a.episode["reward"] == pytest.approx(0.25 * (turns - 1) + 1.0)
 
-def test_grpo_on_episodes_scores_the_environments_rewards_and_reports_the_episodes(ray_cluster, tmp_path):
-    """GRPO (2 steps, evaluation at the start and the end) with an environment of 2-4 turns that
-    rewards every turn: the rewards are the environment's plus the verifier's, the engines'
-    log-probs of every model token the trainer's, and the episode figures in metrics.jsonl."""
-    sets = BASE + [SEED, "train.num_ranks=1", "rl.num_steps=2", "rl.temperature=0.7", "rl.max_turns=4",
-                   "rollout.max_model_len=128", "rollout.environment=tests.integration.environments:Chatty",
-                   "eval.num_prompts=8", "eval.every_steps=2", "rl.eval_samples=1", "rewards.workers=1"]
-    run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets), tmp_path / "run")
+
+def test_ppo_on_episodes_scores_the_environments_rewards_and_reports_the_episodes(ray_cluster, tmp_path):
+    """PPO with a critic (2 steps, evaluation at the start and the end; the transformers engine,
+    whose vLLM import the first test pays) on episodes of 2-4 turns
+    whose environment rewards every turn: the rewards are the environment's plus the verifier's,
+    the critic learns on the model's tokens (GAE skips the observations:
+    tests/algorithms/test_rl_math.py), the engines' log-probs of every model token are the
+    trainer's, the episode figures are in metrics.jsonl and the evaluations' first episodes,
+    whole, in episodes.jsonl."""
+    sets = BASE + [SEED, "train.num_ranks=1", "rl.num_steps=2", "rl.freeze_actor_steps=0", "rl.temperature=0.7",
+                   "rl.max_turns=4", "rollout.max_model_len=128", "rewards.workers=1",
+                   "rollout.environment=tests.integration.environments:Chatty",
+                   "eval.num_prompts=8", "eval.every_steps=2", "rl.eval_samples=1", HF_ENGINE]
+    run_rl(load_spec(EXAMPLES / "tiny_ppo.yaml", sets), tmp_path / "run")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0 and "reward/mean" in r]
     assert len(steps) == 2 and [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2]
@@ -123,4 +156,9 @@ def test_grpo_on_episodes_scores_the_environments_rewards_and_reports_the_episod
         assert 1.5 <= r["episode/turns"] <= 4 and r["episode/tool_calls"] == 0 and r["time/environment"] > 0
         # the verifier (weight 1) scores 1 for a right last turn: the accuracy; the rest is the environment's
         assert r["reward/mean"] == pytest.approx(r["episode/reward"] + r["accuracy"], abs=1e-6)
-        assert r["episode/reward"] > 0.5 and r["rollout/logprob_gap"] <= 1e-4, r
+        assert r["episode/reward"] > 0.5 and r["value_loss"] > 0 and r["rollout/logprob_gap"] <= 1e-4, r
+    shown = [json.loads(ln) for ln in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in shown] == [0] * 4 + [2] * 4
+    assert all(e["messages"][0]["role"] == "user" and e["messages"][1]["role"] == "assistant" for e in shown)
+    assert any(m["role"] == "tool" for e in shown for m in e["messages"])
+

@@ -9,6 +9,7 @@ import torch
 
 from elasticrl.spec.schema import WorldSpec
 from elasticrl.world import content_hash, world_dir
+from elasticrl.world.calculator import calc, parse_calls, with_calculator
 from elasticrl.world.model import PRESETS, tiny_config
 from elasticrl.world.task import enumerate_problems, is_correct, make_records, parse_answer, split_problems
 from elasticrl.world.tokenizer import VOCAB_SIZE, build_tokenizer
@@ -125,3 +126,29 @@ def test_presets_have_their_size_and_shard_for_tp2(preset):
     nominal = float(preset.rstrip("m")) * 1e6
     assert 0.75 * nominal <= n <= 1.25 * nominal, n
     assert cfg.num_attention_heads % 2 == 0 and cfg.num_key_value_heads % 2 == 0 and cfg.vocab_size % 8 == 0
+
+
+def test_the_calculator_evaluates_integer_arithmetic_and_nothing_else():
+    assert (calc("37*48"), calc("2+3*4"), calc("10-2-3"), calc("-4*5")) == (1776, 14, 5, -20)
+    for bad in ("__import__('os').getcwd()", "2**10", "1/2", "x", "1.5*2", "", "(1+", "9" * 65):
+        with pytest.raises(ValueError):
+            calc(bad)
+    assert parse_calls("calc(37*48) and calc( 2+2 )") == [{"name": "calc", "arguments": {"expression": "37*48"}},
+                                                          {"name": "calc", "arguments": {"expression": " 2+2 "}}]
+    assert parse_calls("1776") == []
+
+
+def test_the_calculator_worlds_sft_rows_call_it_in_their_share():
+    records = with_calculator(make_records(99, "*", 1000, 50, 0, mul_max=99), 0.2, 0)
+    calls = [r["messages"] for r in records["sft"] if len(r["messages"]) == 4]
+    assert 0.15 < len(calls) / 1000 < 0.25
+    for user, call, tool, answer in calls:
+        assert call == {"role": "assistant", "content": f"calc({user['content'].rstrip('=')})"}
+        assert tool == {"role": "tool", "content": str(calc(user["content"].rstrip("=")))} and answer["content"] == \
+            tool["content"]
+    direct = [r["messages"] for r in records["sft"] if len(r["messages"]) == 2]
+    assert len(direct) + len(calls) == 1000 and all(is_correct(a["content"], str(calc(u["content"][:-1])))
+                                                    for u, a in direct)
+    # multiplication past the arithmetic world's 12 x 12, held out as there
+    assert max(int(r["prompt"].split("*")[0]) for r in records["eval"]) > 12
+    assert not {r["prompt"] for r in records["eval"]} & {r["prompt"] for r in records["rl_prompts"]}
