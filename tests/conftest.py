@@ -1,9 +1,11 @@
 """Shared fixtures: a private cache for the tiny world, paths, and a CLI runner."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Development); ELASTICRL_TEST_DTYPE and ELASTICRL_TEST_SEED rerun them under others.
 SEED = f"seed={os.environ.get('ELASTICRL_TEST_SEED', '1234')}"  # alone: the learning runs pinned to fp32
 LEARNING = [f"model.dtype={os.environ.get('ELASTICRL_TEST_DTYPE', 'auto')}", SEED]
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A test server's request handler: the POSTed JSON (``body``), a JSON reply (``reply``), no
+    log lines."""
+
+    def body(self):
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+    def reply(self, value) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
 
 
 def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -84,7 +84,8 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
         str(path), num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True,
         **_attention(), **_quantized(quantize, compute_dtype))
     del keep_alive
-    _one_4bit_layout(model)
+    if quantize != "none":
+        _one_4bit_layout(model)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
@@ -113,7 +114,7 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
                                                  use_safetensors=True, **_attention(),  # never a pickled checkpoint
                                                  **_quantized(quantize, compute_dtype))
     del keep_alive
-    return _one_4bit_layout(model)
+    return _one_4bit_layout(model) if quantize != "none" else model
 
 
 def with_lora(model, lora, value_head: bool = False):

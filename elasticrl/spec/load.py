@@ -372,12 +372,12 @@ def _check_rl(spec: JobSpec) -> None:
         raise SpecError("rl.async_rollout", "episodes (rollout.environment) roll out turn by turn on the current "
                                             "weights; set rl.async_rollout: false")
     remote = (ro.environment or "").startswith(("http://", "https://"))
-    for i, path in enumerate([ro.environment if ro.environment and not remote else "x:x",
-                              ro.tool_parser if ro.tool_parser != "hermes" else "x:x", *ro.tools]):
-        if ":" not in path:
-            field = ["rollout.environment", "rollout.tool_parser"][i] if i < 2 else f"rollout.tools[{i - 2}]"
-            raise SpecError(field, f"{path!r} is not an import path; write package.module:name"
-                                   + (" or an http(s) URL" if i == 0 else ""))
+    named = [("rollout.environment", "" if remote else ro.environment or "", " or an http(s) URL"),
+             ("rollout.tool_parser", "" if ro.tool_parser == "hermes" else ro.tool_parser, " or hermes"),
+             *((f"rollout.tools[{i}]", p, "") for i, p in enumerate(ro.tools))]
+    for field, path, other in named:
+        if path and ":" not in path:
+            raise SpecError(field, f"{path!r} is not an import path; write package.module:name{other}")
     if ro.environment and not spec.data.apply_chat_template:
         raise SpecError("data.apply_chat_template", "episodes (rollout.environment) are conversations in the chat "
                                                     "template; turn it on")

@@ -3,12 +3,11 @@ signatures, each way a tool can fail becoming an error observation, a lost proce
 observation tokens an episode appends as the chat template renders them."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -16,6 +15,7 @@ from elasticrl.envs import parse_hermes, tool_schemas
 from elasticrl.envs.pool import EnvironmentPool
 from elasticrl.rollout.episodes import Episode, observation_ids
 from elasticrl.world.tokenizer import build_tokenizer
+from tests.conftest import JsonHandler
 from tests.integration.environments import add
 
 TOOLS = [f"tests.integration.environments:{name}" for name in ("add", "boom", "hang", "weird")]
@@ -105,7 +105,7 @@ def test_observation_tokens_are_what_the_template_adds_after_the_models_own_toke
     assert tok.decode(ids, skip_special_tokens=False) == tail + "<|user|>= 3" + closing + "<|assistant|>"
 
 
-class _Remote(BaseHTTPRequestHandler):
+class _Remote(JsonHandler):
     """An environment over HTTP: /start opens an episode; /step answers 503 at its first call
     and hangs past the client's timeout at its second, then ends the episode with a reward of 1;
     /down always answers 503."""
@@ -113,26 +113,18 @@ class _Remote(BaseHTTPRequestHandler):
     steps: list = []
 
     def do_POST(self):  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.body()
         if self.path.endswith("/start"):
-            reply = {"episode": body["row"]["prompt"], "messages": [{"role": "user", "content": body["row"]["prompt"]}]}
-        else:
-            self.steps.append(body)
-            if len(self.steps) == 1 or "/down/" in self.path:
-                self.send_error(503)
-                return
-            if len(self.steps) == 2:
-                time.sleep(1.0)
-            reply = {"messages": [], "reward": 1.0, "done": True}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+            self.reply({"episode": body["row"]["prompt"],
+                        "messages": [{"role": "user", "content": body["row"]["prompt"]}]})
+            return
+        self.steps.append(body)
+        if len(self.steps) == 1 or "/down/" in self.path:
+            self.send_error(503)
+            return
+        if len(self.steps) == 2:
+            time.sleep(1.0)
+        self.reply({"messages": [], "reward": 1.0, "done": True})
 
 
 def test_a_remote_environment_retries_a_503_and_a_timeout_and_one_that_stays_down_ends_its_episode_only():

@@ -11,7 +11,7 @@ from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
 from tests.conftest import EXAMPLES, SEED
-from tests.integration.test_rl import BASE, HF_ENGINE
+from tests.integration.test_rl import BASE, HF_ENGINE, assert_acid_test
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +53,6 @@ def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_
     and, each turn seeded by (step, episode, turn), every episode and figure is as before."""
     import dataclasses
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from elasticrl.algorithms.logprobs import token_logprobs
     from elasticrl.data.records import read_records
     from elasticrl.envs.pool import EnvironmentPool
     from elasticrl.models import load_tokenizer
@@ -116,14 +112,7 @@ def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_
     for i, r in enumerate(samples):
         expected = _expected_mask(tok, r.prompt_ids, r.episode["messages"], r.token_ids, r.finish_reason == "stop")
         assert r.mask == expected and len(r.logprobs) == sum(r.mask) == batch.response_mask[i].sum()
-    mask = batch.response_mask
-    engine = behaviour_logprobs(samples, batch)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    expected = token_logprobs(logits, batch.labels, 0.7) * mask
-    torch.testing.assert_close(trainer * mask, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(engine * mask, expected, atol=1e-4, rtol=0)
+    assert_acid_test(model, batch, trainer, behaviour_logprobs(samples, batch), 0.7)
 
     assert deaths == 1 and victim not in actor_pids("RolloutEngine")
     assert talk["episode/turns"] >= 2 and {k: v for k, v in talk.items() if k != "time/environment"} == \

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 import ray
@@ -16,7 +15,7 @@ from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.world.task import is_correct
-from tests.conftest import EXAMPLES, SEED
+from tests.conftest import EXAMPLES, SEED, JsonHandler
 
 pytestmark = pytest.mark.slow
 
@@ -45,27 +44,18 @@ PPO = ["init.rm_steps=30", "rl.kl_coef=0.01", "rl.normalize_reward=true", "rl.nu
        "eval.enabled=false", "critic.num_ranks=1", "rl.samples_per_prompt=2", "rl.prompts_per_step=16"]
 
 
-class _Scorer(BaseHTTPRequestHandler):
+class _Scorer(JsonHandler):
     """A remote reward: the task's exact-answer check, after one HTTP 503 to force a retry."""
 
     calls: list = []
 
     def do_POST(self):  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.body()
         self.calls.append(len(body["completions"]))
         if len(self.calls) == 1:
             self.send_error(503)
             return
-        rewards = [float(is_correct(c, a)) for c, a in zip(body["completions"], body["answers"])]
-        data = json.dumps({"rewards": rewards}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply({"rewards": [float(is_correct(c, a)) for c, a in zip(body["completions"], body["answers"])]})
 
 
 def test_a_dead_rank_is_named_with_its_role(ray_cluster):
@@ -137,8 +127,6 @@ def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_pa
     """The acid test at T = 0.7: after a weight sync, the engine's log-probs of the tokens it
     sampled, the actor's and an independent fp32 forward's log_softmax(logits / 0.7) agree
     within 1e-4; untempered ones would differ by far more (the temperature is not a no-op)."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from elasticrl.algorithms.logprobs import token_logprobs
     from elasticrl.data.records import format_prompt, read_records
@@ -170,15 +158,28 @@ def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_pa
         actor.shutdown()
         pool.shutdown()
     assert all(r.weight_version == 1 for r in results) and len(results) == 8 * spec.rl.samples_per_prompt
+    logits = assert_acid_test(model, batch, trainer, behaviour_logprobs(results, batch), 0.7)
     mask = batch.response_mask
-    engine = behaviour_logprobs(results, batch)
+    assert ((token_logprobs(logits, batch.labels) - token_logprobs(logits, batch.labels, 0.7)) * mask).abs().max() \
+        > 0.05
+
+
+def assert_acid_test(model: str, batch, trainer, engine, temperature: float):
+    """The trainer's and the engine's log-probs of ``batch``'s loss tokens are an independent fp32
+    forward's log_softmax(logits / temperature) within 1e-4; returns that forward's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from elasticrl.algorithms.logprobs import token_logprobs
+
+    mask = batch.response_mask
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    expected = token_logprobs(logits, batch.labels, 0.7) * mask
+    expected = token_logprobs(logits, batch.labels, temperature) * mask
     torch.testing.assert_close(trainer * mask, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(engine * mask, expected, atol=1e-4, rtol=0)
-    assert ((token_logprobs(logits, batch.labels) * mask - expected).abs().max()) > 0.05
+    return logits
 
 
 def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray_cluster, tmp_path):
