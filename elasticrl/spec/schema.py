@@ -271,8 +271,14 @@ class RLSpec:
         "reward) they are the log-probs the update computes, so that forward pass is skipped (the ratio is 1 "
         "by construction; `kl` is then the mean over micro-batches); 'forward': always computed.", "auto")
     max_staleness: int = doc("Async: most weight versions a batch may lag the policy it trains.", 1, min=1)
-    tis_cap: Optional[float] = doc(
-        "Truncated importance-sampling cap for off-policy batches (async); null disables.", 2.0)
+    is_correction: Literal["auto", "none", "tis", "mis", "seq_mask"] = doc(
+        "Weighting of each token by rho = exp(trainer's log-prob before the update - the engine's): 'tis' "
+        "min(rho, rl.is_threshold); 'mis' rho inside [rl.is_threshold_low, rl.is_threshold], else the token "
+        "leaves the loss; 'seq_mask' a response whose geometric-mean rho is outside that range leaves the loss; "
+        "'auto': tis with async rollouts or on GPUs (whose kernels differ from the trainer's), else none. "
+        "is/* and mismatch/kl are reported in every mode.", "auto")
+    is_threshold: float = doc("Upper threshold of rl.is_correction (tis's cap).", 2.0, min=1)
+    is_threshold_low: float = doc("Lower threshold of rl.is_correction mis and seq_mask.", 0.5, min=0, max=1)
     eval_samples: int = doc("k of pass@k at evaluation (sampled at the rollout temperature).", 4, min=1)
 
 

@@ -31,7 +31,7 @@ class Experience:
     old_values: torch.Tensor | None = None         # [B, L-1] the critic's before its update
     advantages: torch.Tensor | None = None         # [B, L-1]
     returns: torch.Tensor | None = None            # [B, L-1] the critic's targets
-    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] the engine's, of the policy that sampled (async)
+    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] the engine's, of the policy that sampled
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}

@@ -16,8 +16,7 @@ import numpy as np
 import ray
 
 
-@ray.remote(num_cpus=0)
-class Keeper:
+class Held:
     """One node's keeper: per (role, rank), its two newest copies, {step: {relative path: data}}.
     A new copy goes into the memory of the older one (its pages are warm: a fresh 300 MB
     buffer costs ~20x the copy itself in page faults); the newer stays whole meanwhile."""
@@ -54,6 +53,9 @@ class Keeper:
         return out
 
 
+Keeper = ray.remote(num_cpus=0)(Held)
+
+
 def holders(nodes: list[str]) -> list[str]:
     """The node whose keeper holds each rank's copy: that of the next rank in the ring on
     another node, or (every rank on one node) the rank's own node."""
@@ -64,14 +66,15 @@ def holders(nodes: list[str]) -> list[str]:
 
 class PeerCopies:
     """The driver's side: which step the copy is of and the driver's own state at it; the
-    keepers hold the ranks' files."""
+    keepers hold the ranks' files. A copy being taken goes into the memory of the older of
+    the keepers' two, so the confirmed one stays whole and usable until the new one counts."""
 
     def __init__(self):
         self.keepers: dict[str, object] = {}
         self.step: int | None = None   # of the copy a recovery may use
-        self.taken: int | None = None  # of a copy taken, not yet confirmed
         self.state: dict = {}
         self.ranks: dict[str, int] = {}
+        self.taken: tuple | None = None  # (step, state, ranks) of a copy taken, not yet confirmed
 
     def _keeper(self, node: str):
         if node not in self.keepers:
@@ -84,16 +87,16 @@ class PeerCopies:
     def take(self, groups: dict, step: int, state: dict) -> None:
         """Every rank of ``groups`` (role -> RoleGroup) copies its state of step ``step`` to its
         keeper; ``state`` is the driver's at that step."""
-        self.step = self.taken = None  # until every rank has handed its copy over
+        self.taken = None  # until every rank has handed its copy over
         for role, group in groups.items():
             keepers = [self._keeper(node) for node in holders(group.call("node_id"))]
             group.call("copy_to", keepers, role, step)
-        self.taken, self.state, self.ranks = step, state, {role: g.num_ranks for role, g in groups.items()}
+        self.taken = step, state, {role: g.num_ranks for role, g in groups.items()}
 
     def confirm(self) -> None:
         """The copy taken counts from now on (the driver has logged its step)."""
         if self.taken is not None:
-            self.step, self.taken = self.taken, None
+            (self.step, self.state, self.ranks), self.taken = self.taken, None
 
     def write(self, folder: Path) -> bool:
         """Write the copy into ``folder``; whether it was whole (every rank's files found)."""
@@ -107,7 +110,7 @@ class PeerCopies:
 
     def drop(self) -> None:
         """Forget the copy (a checkpoint as new was written, or it was used)."""
-        self.step = None
+        self.step = self.taken = None
 
     def shutdown(self) -> None:
         for keeper in self.keepers.values():

@@ -302,6 +302,7 @@ def _pack(run: Run, s: Step) -> None:
     drawn = [run.prompt_ids[i] for i in s.indices]
     p_ids = [drawn[r.prompt_index] if r.prompt_ids is None else r.prompt_ids for r in s.results]
     s.batch = pack(p_ids, [r.token_ids for r in s.results], run.tokenizer.pad_token_id, [r.mask for r in s.results])
+    s.batch.behaviour_logprobs = behaviour_logprobs(s.results, s.batch)  # rl.is_correction's, and the acid test's
 
 
 def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
@@ -429,7 +430,7 @@ def _model_passes(run: Run, s: Step, rewards: torch.Tensor, passes: dict) -> tor
         setattr(batch, key, gather_rows(wait(), field_name))
     mask = batch.response_mask
     if batch.old_logprobs is not None:  # the acid test at every step: the engines' log-probs against the trainer's
-        gap = (behaviour_logprobs(s.results, batch) - batch.old_logprobs) * mask
+        gap = (batch.behaviour_logprobs - batch.old_logprobs) * mask
         s.info["rollout/logprob_gap"] = gap.abs().max().item()
     token_rewards = last_token_rewards(rewards, mask)
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:  # else the update reports the KL
@@ -459,8 +460,6 @@ def _advantages(run: Run, s: Step, rewards: torch.Tensor, token_rewards: torch.T
     if rl.whiten_advantages == "on" or (rl.whiten_advantages == "auto" and ADVANTAGE_ESTIMATORS[name].whiten):
         adv = masked_whiten(adv, mask)
     batch.advantages, batch.returns = adv.float(), returns.float()
-    if rl.async_rollout:
-        batch.behaviour_logprobs = behaviour_logprobs(s.results, batch)
     s.info["advantage/mean"] = (adv * mask).sum().item() / max(1.0, mask.sum().item())
 
 
@@ -497,7 +496,8 @@ def train(run: Run, s: Step) -> None:
         if s.step >= rl.freeze_actor_steps:
             a = [r for r in roles.actor.call("train", ref, s.step) if r["leader"]]
             s.stats["policy_loss"] = sum(x["policy_loss_sum"] for x in a) / max(1, a[0]["minibatches"])
-            for key in ("clip_frac", "approx_kl", "entropy", "kl_loss", "kl", "grad_norm", "lr"):
+            for key in ("clip_frac", "approx_kl", "entropy", "kl_loss", "kl", "grad_norm", "lr", "is/ratio_mean",
+                        "is/clipped_frac", "is/masked_frac", "mismatch/kl"):
                 vals = [x[key] for x in a if x.get(key) is not None]
                 if vals:
                     s.stats[key] = sum(vals) / len(vals)

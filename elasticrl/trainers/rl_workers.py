@@ -13,6 +13,7 @@ import math
 import torch
 
 from elasticrl import backend
+from elasticrl.algorithms.correction import correction_mode, importance_weights
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
@@ -95,6 +96,7 @@ class ActorWorker(_TrainedRole):
         engine = self.core.engine
         engine.train()
         kl_fn = KL_ESTIMATORS[rl.kl_estimator]
+        correction = correction_mode(rl.is_correction, rl.async_rollout, backend.has_gpu())
         stats: dict[str, float] = {}
         count = minibatches = 0
         loss_sum = 0.0
@@ -107,14 +109,12 @@ class ActorWorker(_TrainedRole):
                 mask = mb.response_mask
                 # on-policy (rl.old_logprobs: auto): the policy before this update is this one
                 old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
-                weights = None
-                if mb.behaviour_logprobs is not None and rl.tis_cap is not None:
-                    # Truncated importance sampling: the batch came from an older policy.
-                    weights = torch.exp(old - mb.behaviour_logprobs).clamp(max=rl.tis_cap)
+                weights, istats = (None, {}) if mb.behaviour_logprobs is None else importance_weights(
+                    old, mb.behaviour_logprobs, mask, correction, rl.is_threshold_low, rl.is_threshold)
                 loss, pstats = policy_loss(logp, old, mb.advantages, mask, clip_low=rl.clip_low,
                                            clip_high=rl.clip_high, dual_clip=rl.dual_clip, token_weights_bt=weights,
                                            ratio_level=rl.importance_ratio, aggregation=rl.loss_aggregation, **denom)
-                total = loss
+                total, pstats = loss, {**pstats, **istats}
                 if rl.kl_coef > 0 and rl.kl_mode == "loss":
                     kl = aggregate(kl_fn(logp, mb.ref_logprobs), mask, rl.loss_aggregation, **denom)
                     total = total + rl.kl_coef * kl

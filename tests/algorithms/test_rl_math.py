@@ -223,3 +223,46 @@ def test_overlong_penalty_falls_linearly_over_the_buffer():
     got = overlong_penalty(torch.tensor([3, 6, 7, 9, 10]), max_len=10, buffer=4, penalty=1.0)
     assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0])
     assert overlong_penalty(torch.tensor([8]), 10, 4, penalty=0.5).tolist() == pytest.approx([-0.25])
+
+
+def test_importance_corrections_by_hand():
+    """rl.is_correction: the engine's log-probs are the trainer's minus a known perturbation d,
+    so rho = exp(d) per token. Three responses (the last token of the 2nd and 3rd is padding,
+    given a huge gap that must count nowhere), thresholds [0.5, 2]:
+      rho   row 0: 1, 3, 1/4     row 1: 3/2, 3/2, (pad)     row 2: 3, 3, (pad)
+      tis       1, 2, 1/4               3/2, 3/2                   2, 2        (min(rho, 2))
+      mis       1, 0, 0                 3/2, 3/2                   0, 0        (rho outside [.5, 2]: 0)
+      seq_mask  geometric means (3/4)^(1/3) = .909, 3/2, 3: rows 0 and 1 weigh 1, row 2 leaves
+    Over the 7 tokens: ratio mean 13.25 / 7; 3 above 2 (clipped); masked 0 / 4 / 2 (tis, mis,
+    seq_mask); k3 per token rho - 1 - log rho."""
+    from elasticrl.algorithms.correction import correction_mode, importance_weights
+
+    old = torch.log(T([[0.5, 0.2, 0.4], [0.3, 0.6, 0.9], [0.1, 0.25, 0.9]]))  # the trainer's
+    d = torch.log(T([[1.0, 3.0, 0.25], [1.5, 1.5, 1e6], [3.0, 3.0, 1e-6]]))
+    behaviour = old - d  # the engine's, perturbed
+    mask = T([[1.0, 1, 1], [1, 1, 0], [1, 1, 0]])
+    expect = {"tis": [[1, 2, 0.25], [1.5, 1.5, 0], [2, 2, 0]],
+              "mis": [[1, 0, 0], [1.5, 1.5, 0], [0, 0, 0]],
+              "seq_mask": [[1, 1, 1], [1, 1, 0], [0, 0, 0]]}
+    masked = {"tis": 0, "mis": 4 / 7, "seq_mask": 2 / 7, "none": 0}
+    k3 = 3 * (2 - math.log(3)) + (math.log(4) - 0.75) + 2 * (0.5 - math.log(1.5))
+    for mode in ("none", "tis", "mis", "seq_mask"):
+        weights, stats = importance_weights(old, behaviour, mask, mode, 0.5, 2.0)
+        if mode == "none":
+            assert weights is None
+        else:
+            close(weights, expect[mode], 1e-5)
+        close(stats["is/ratio_mean"], 13.25 / 7, 1e-5)
+        close(stats["is/clipped_frac"], 3 / 7)
+        close(stats["is/masked_frac"], masked[mode])
+        close(stats["mismatch/kl"], k3 / 7, 1e-5)
+    # no perturbation: every weight 1, nothing clipped or masked, no gap
+    weights, stats = importance_weights(old, old.clone(), mask, "mis", 0.5, 2.0)
+    close(weights, mask)
+    assert stats == {"is/ratio_mean": 1.0, "is/clipped_frac": 0.0, "is/masked_frac": 0.0, "mismatch/kl": 0.0}
+    # auto: truncated IS where the engine's log-probs may differ (async, GPU kernels)
+    assert [correction_mode("auto", a, g) for a, g in ((False, False), (True, False), (False, True))] == \
+        ["none", "tis", "tis"]
+    assert correction_mode("mis", False, False) == "mis"
+    with pytest.raises(ValueError, match="rl.is_correction"):
+        importance_weights(old, behaviour, mask, "bogus", 0.5, 2.0)

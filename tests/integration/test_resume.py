@@ -135,6 +135,13 @@ def test_async_grpo_with_a_remote_reward_stays_within_its_bound_and_resumes_exac
     rows = _rows(straight)
     # generation ran ahead of training (two versions old at steps 3-4), and restarted at the checkpoint
     assert [rows[s]["rl/staleness"] for s in range(1, 7)] == [0, 1, 2, 2, 0, 1]
+    # rl.is_correction auto is tis here: the engine's log-probs of a fresh batch are the trainer's; those of a
+    # stale one are an older policy's once the policy moved (not before its first reward)
+    for s in range(1, 7):
+        assert rows[s]["is/masked_frac"] == 0, rows[s]  # tis weighs, never masks
+        if rows[s]["rl/staleness"] == 0:
+            assert rows[s]["mismatch/kl"] < 1e-7 and abs(rows[s]["is/ratio_mean"] - 1) < 1e-4, rows[s]
+    assert max(rows[s]["mismatch/kl"] for s in range(1, 7)) > 1e-4  # the policy moved between versions
     assert summary["final"]["sync/version"] == 6
     # flaky raises on calls 10, 20, ... of each of the 2 reward processes (rewards.workers), which score 16 of a
     # step's 32 samples each: per step, calls 1-16 (one error each), 17-32 (two), 33-48, 49-64, 65-80, 81-96
