@@ -198,6 +198,10 @@ CASES = [
      "rl.overlong_buffer: 99 is more than rl.max_new_tokens"),
     ("refill-with-async", [], ["run", GRPO, "--set", "rl.dynamic_sampling_max_draws=3", "--set",
                                "rl.async_rollout=true"], 2, "rl.dynamic_sampling_max_draws: refills draw prompts"),
+    ("fully-async-alone", [], ["run", GRPO, "--set", "rl.fully_async=true"], 2,
+     "rl.fully_async: is a mode of async rollouts; set rl.async_rollout: true as well"),
+    ("fully-async-with-stop", [], ["run", GRPO, "--set", "rl.fully_async=true", "--set", "rl.async_rollout=true",
+                                   "--set", "rl.stop=['.']"], 2, "rl.fully_async: generates in rounds of"),
     ("wandb-online-without-key", [], ["run", GRPO, "--set", "log.wandb=myproject"], 2,
      "log.wandb: logging to W&B online needs a key"),
     # checkpoints to resume

@@ -1,13 +1,14 @@
 """The layout of a job on one machine without GPUs (``elasticrl run`` on a CPU workstation).
 
 On CPUs the phases of a step take turns on the same cores, so each phase should get all of
-them. Training: one data-parallel rank using every core (ranks on one machine only split the
-same cores, and add an all-reduce and an optimizer copy each); the frozen models (reference,
-reward) run in ranks of the same size, between the trainer's phases. Rollout: engines of one
-thread each, one per core, as far as memory allows (vLLM's CPU decode at small batches
-scales better over engines than over threads: on the step benchmark's 44m model, two
-engines of one thread rolled out a step in 5.0 s where one engine of two took 9.0; see
-benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
+them (async rollouts generate while the trainers train: half the cores go to the engines,
+the rest to the trainers). Training: one data-parallel rank using every core (ranks on
+one machine only split the same cores, and add an all-reduce and an optimizer copy each);
+the frozen models (reference, reward) run in ranks of the same size, between the trainer's
+phases. Rollout: engines of one thread each, one per core, as far as memory allows (vLLM's
+CPU decode at small batches scales better over engines than over threads: on the step
+benchmark's 44m model, two engines of one thread rolled out a step in 5.0 s where one engine
+of two took 9.0; see benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
 alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step). KV cache: each engine's
 holds its share of a step's sequences at full length (``kv_cache_gib``), not vLLM's 1 GiB
 floor of whole GiB: the step benchmark's two engines need 0.22 GiB each in fp32 (0.28 with
@@ -88,8 +89,9 @@ def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict, v
     if "train.num_ranks" not in pinned and t.tp_size == 1:  # one rank takes any batch the spec's ranks take
         out["train.num_ranks"] = 1
     ranks = out.get("train.num_ranks", t.num_ranks)
-    if "train.threads" not in pinned:
-        out["train.threads"] = max(1, cores // ranks)
+    # async rollouts generate while the trainers train: the cores are split between them, not taken in turn
+    overlap = "rollout" in roles and spec.rl.async_rollout
+    for_engines, engine_cores = (max(1, cores // 2) if overlap else cores), 0
     if "rollout" in roles:
         def kv(n: int) -> float:
             sized = None if "rollout.kv_cache_gib" in pinned else kv_cache_gib(spec, n, value_bytes)
@@ -97,14 +99,17 @@ def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict, v
 
         engines = r.num_engines
         if "rollout.num_engines" not in pinned:
-            engines = max(1, min(cores // r.tp_size, spec.rl.prompts_per_step))
+            engines = max(1, min(for_engines // r.tp_size, spec.rl.prompts_per_step))
             budget = float("inf") if memory_gb is None else memory_gb * ENGINE_SHARE
             while engines > 1 and engines * (ENGINE_GB + kv(engines)) > budget:
                 engines -= 1
             out["rollout.num_engines"] = engines
         out["rollout.kv_cache_gib"] = kv(engines)
         if "rollout.cpus_per_engine" not in pinned and "rollout.num_engines" not in pinned:
-            out["rollout.cpus_per_engine"] = max(1, cores // (engines * r.tp_size))
+            out["rollout.cpus_per_engine"] = max(1, for_engines // (engines * r.tp_size))
+        engine_cores = engines * r.tp_size * out.get("rollout.cpus_per_engine", r.cpus_per_engine) if overlap else 0
+    if "train.threads" not in pinned:
+        out["train.threads"] = max(1, (cores - engine_cores) // ranks)
     return {k: v for k, v in out.items() if v != _current(spec, k)}
 
 

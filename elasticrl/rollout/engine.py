@@ -106,6 +106,9 @@ class RolloutEngine:
                                       c.text, c.finish_reason, version))
         return results
 
+    def busy(self) -> float:
+        return self.gate.busy_s
+
     def score(self, sequences: list[list[int]]) -> tuple[list[list[float]], int]:
         """log p(token_t | tokens_<t) for t >= 1 of each sequence, and the weight version."""
         from vllm import SamplingParams
@@ -246,16 +249,19 @@ class SyncGate:
         self._cond = threading.Condition()
         self._syncing = False
         self._busy = False
+        self.busy_s = 0.0  # seconds spent generating or scoring (the pool's engine idle share)
 
     def run(self, fn):
         with self._cond:
             self._cond.wait_for(lambda: not self._syncing and not self._busy)
             self._busy = True
             version = self.version
+        t0 = time.time()
         try:
             return fn(), version
         finally:
             with self._cond:
+                self.busy_s += time.time() - t0
                 self._busy = False
                 self._cond.notify_all()
 

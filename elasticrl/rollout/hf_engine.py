@@ -48,6 +48,9 @@ class HFRolloutEngine:
                 "version": self.gate.version, "start_seconds": self.start_seconds, "tp_size": 1,
                 "dtype": self.dtype, "mode": "hf"}
 
+    def busy(self) -> float:
+        return self.gate.busy_s
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: dict, seeds: list[int] | None = None) -> list[Sample]:
         """As the vLLM engine's; ``generate`` samples a batch from one generator, so only the

@@ -105,6 +105,7 @@ class RolloutPool:
         self._rate = 0.0                         # tokens per second of one engine, measured
         self._sender = None                      # (trainer group, attach_rollout's arguments)
         self.version = 0                         # the weight version the engines hold
+        self._busy = None                        # (time, slot -> busy seconds) at the last ``stats``
         if wait:
             self.ready()
 
@@ -298,7 +299,22 @@ class RolloutPool:
             self._event(f"rollout engine {slot} removed{self._at().replace(' at', ' after')} (asked: {engines})")
 
     def stats(self) -> dict:
-        return {"rollout/engines": len(self.live), "fault/engine_deaths": self.deaths}
+        """The pool's figures since the last call: live engines, deaths, and the share of the
+        live engines' time they spent neither generating nor scoring (``rollout/engine_idle``)."""
+        refs = {self.group.actors[slot].busy.remote(): slot for slot in self.live}
+        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
+        now, busy = time.time(), {}
+        for ref in answered:
+            try:
+                busy[refs[ref]] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # a dead engine (or, not answering, a hung one) is the next rollout's to find
+        was, self._busy = self._busy, (now, busy)
+        out = {"rollout/engines": len(self.live), "fault/engine_deaths": self.deaths}
+        if was is not None and busy:
+            spent = sum(max(0.0, b - was[1].get(slot, 0.0)) for slot, b in busy.items())
+            out["rollout/engine_idle"] = max(0.0, 1.0 - spent / (len(busy) * max(now - was[0], 1e-9)))
+        return out
 
     def generate(self, prompts: list[list[int]], sampling: dict) -> list[Sample]:
         return self.collect(self.submit(prompts, sampling))

@@ -18,3 +18,4 @@ class Sample:
     mask: list[bool] | None = None
     prompt_ids: list[int] | None = None
     episode: dict | None = None  # {"reward": the environment's, "error": why it ended early or None, "messages"}
+    versions: list[int] | None = None  # rl.fully_async: per token, the weight version that produced it

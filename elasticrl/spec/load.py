@@ -363,6 +363,12 @@ def _check_rl(spec: JobSpec) -> None:
     if rl.dynamic_sampling_max_draws > 1 and rl.async_rollout:
         raise SpecError("rl.dynamic_sampling_max_draws", "refills draw prompts while the step is scored, but "
                                                           "rl.async_rollout has drawn the next steps' already; use one")
+    if rl.fully_async and not rl.async_rollout:
+        raise SpecError("rl.fully_async", "is a mode of async rollouts; set rl.async_rollout: true as well")
+    if rl.fully_async and (rl.stop or rl.dynamic_sampling):
+        raise SpecError("rl.fully_async", "generates in rounds of rl.chunk_tokens, across which rl.stop strings are "
+                                          "not seen, and trains on whichever groups finish, which rl.dynamic_sampling "
+                                          "would filter again; set rl.stop: [] and rl.dynamic_sampling: false")
     if rl.overlong_buffer > rl.max_new_tokens:
         raise SpecError("rl.overlong_buffer", f"{rl.overlong_buffer} is more than rl.max_new_tokens "
                                               f"({rl.max_new_tokens}): the punishment starts that many tokens before "

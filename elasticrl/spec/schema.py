@@ -265,12 +265,26 @@ class RLSpec:
     overlong_penalty: float = doc("The soft overlong punishment at rl.max_new_tokens (see rl.overlong_buffer).", 1.0,
                                   min=0)
     async_rollout: bool = doc("Overlap the rollout of step t+1 with the training of step t.", False)
+    fully_async: bool = doc(
+        "With rl.async_rollout: the engines generate continuously from a queue of prompt groups, a step trains "
+        "on the first rl.prompts_per_step groups that finished, weight updates reach samples in flight between "
+        "rounds of rl.chunk_tokens tokens, and each token keeps the weight version that produced it (no batch "
+        "waits for its longest sample; checkpoints hold the samples in flight).", False)
+    chunk_tokens: int = doc("rl.fully_async: tokens a sample gains per round, between which weight updates land.",
+                            32, min=1)
+    fully_async_rounds: Literal["until_ready", "until_trained"] = doc(
+        "rl.fully_async: how long the rounds run while the trainers train. 'until_ready': until the next batch is "
+        "ready, so the rounds of a step depend on the samples only and a run, resumed or not, repeats exactly; "
+        "'until_trained': also until the trainers finish, so the engines do not idle, but the rounds depend on "
+        "the clock and runs do not repeat bit for bit.", "until_ready")
     old_logprobs: Literal["auto", "forward"] = doc(
-        "The policy's log-probs of the rollouts before the update (the PPO ratio's denominator). 'auto': when "
-        "the update is on-policy (rl.epochs 1, one mini-batch per rollout batch, not async, no KL in the "
-        "reward) they are the log-probs the update computes, so that forward pass is skipped (the ratio is 1 "
-        "by construction; `kl` is then the mean over micro-batches); 'forward': always computed.", "auto")
-    max_staleness: int = doc("Async: most weight versions a batch may lag the policy it trains.", 1, min=1)
+        "The policy's log-probs of the rollouts before the update (the PPO ratio's denominator; with async "
+        "rollouts decoupled PPO's proximal policy). 'auto': when one update is made from the weights that would "
+        "score them (rl.epochs 1, one mini-batch per rollout batch, no KL in the reward) they are the log-probs "
+        "the update computes, so that forward pass is skipped (the ratio is 1 by construction; `kl` is then the "
+        "mean over micro-batches); 'forward': always computed.", "auto")
+    max_staleness: int = doc("Async: most weight versions a batch (rl.fully_async: a token) may lag the policy it "
+                             "trains; a fully async sample with an older token starts over.", 1, min=1)
     is_correction: Literal["auto", "none", "tis", "mis", "seq_mask"] = doc(
         "Weighting of each token by rho = exp(trainer's log-prob before the update - the engine's): 'tis' "
         "min(rho, rl.is_threshold); 'mis' rho inside [rl.is_threshold_low, rl.is_threshold], else the token "

@@ -40,6 +40,7 @@ from elasticrl.rewards.verifiers import full_marks
 from elasticrl.rollout.episodes import run_episodes
 from elasticrl.rollout.pool import sampling_params
 from elasticrl.rollout.sample import Sample
+from elasticrl.rollout.stream import Stream
 from elasticrl.spec import JobSpec
 from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, advantage_of
 from elasticrl.spec.schema import RewardModelSpec
@@ -63,6 +64,8 @@ from elasticrl.trainers.rl_run import (
     Run,
     before_scoring,
     driver_state,
+    in_background,
+    join_segment,
     recover,
     resume_state,
     save,
@@ -163,6 +166,8 @@ def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
 
 def _train_run(run: Run, resume: Resume) -> dict:
     spec, roles = run.spec, run.roles
+    run.stream = Stream(spec, run.prompt_ids, lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)) \
+        if spec.rl.fully_async else None
     start = resume_state(run, resume) if resume.folder else 0
     transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                                   str(run.output / "weights"))
@@ -215,19 +220,39 @@ def rollout(run: Run, step: int) -> Step:
             s.indices = _draw(run)
             s.results, info = _episodes(run, [run.prompts[i] for i in s.indices], sampling_params(run.spec, step))
             s.info.update(info)
+        elif rl.fully_async:
+            s.indices, s.results, info = _from_stream(run, step)
+            s.info.update(info)
         else:
             if not run.pending:
                 _submit(run, step)
             _, s.indices, handle = run.pending.popleft()
             s.results = run.roles.pool.collect(handle)
         s.generated = sum(len(r.logprobs) for r in s.results)
-        depth = rl.max_staleness if rl.async_rollout else 0
+        depth = rl.max_staleness if rl.async_rollout and not rl.fully_async else 0
         while len(run.pending) < depth and step + 1 + len(run.pending) < rl.num_steps:
             ahead = step + 1 + len(run.pending)
             if any(run.cadence.checkpoint(t + 1) for t in range(step, ahead)):
                 break  # nothing is in flight at a checkpoint: a resumed run rolls out as this one does
             _submit(run, ahead)  # on the current weights
     return s
+
+
+def _from_stream(run: Run, step: int) -> tuple[list[int], list[Sample], dict]:
+    """rl.fully_async: the batch from the stream (rounds now only while none is ready), then the
+    queue refilled and its rounds going on in the background until ``sync`` (rollout.stream)."""
+    stream, pool = run.stream, run.roles.pool
+    stream.fill(lambda: _draw(run))
+    stream.expire(run.version)
+    while not stream.ready(run.version):
+        stream.round(pool)
+    out = stream.take(run.version)
+    stream.fill(lambda: _draw(run))
+    if step + 1 < run.spec.rl.num_steps:
+        stream.trained.clear()
+        stream.halted.clear()
+        run.segment = in_background(stream.segment, pool, run.version + 1)
+    return out
 
 
 def _submit(run: Run, step: int) -> None:
@@ -443,9 +468,11 @@ def _model_passes(run: Run, s: Step, rewards: torch.Tensor, passes: dict) -> tor
 
 def reuses_update_logprobs(spec: JobSpec) -> bool:
     """Whether the old log-probs are the update's own (``rl.old_logprobs: auto``): one pass of
-    one mini-batch over fresh rollouts trains the very policy that sampled them."""
+    one mini-batch trains from the very weights it would score them with (with async rollouts
+    too: decoupled PPO's proximal policy is those weights, and rl.is_correction weighs them
+    against the engine's log-probs of the policy that sampled)."""
     rl = spec.rl
-    return (rl.old_logprobs == "auto" and rl.epochs == 1 and not rl.async_rollout
+    return (rl.old_logprobs == "auto" and rl.epochs == 1
             and not (rl.kl_coef > 0 and rl.kl_mode == "reward")
             and rl.prompts_per_step * rl.samples_per_prompt == spec.train.global_batch_size)
 
@@ -507,6 +534,8 @@ def train(run: Run, s: Step) -> None:
 
 def sync(run: Run, s: Step) -> None:
     """The new weights into every engine, as the next version."""
+    with _timed(s, "rollout"):  # rl.fully_async: the rounds that went on while the trainers trained
+        join_segment(run)
     with _timed(s, "sync"):
         run.version += 1
         s.sync = run.roles.pool.sync(run.version)

@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from elasticrl.engine.checkpoint import Resume, list_checkpoints
 from elasticrl.plan.planner import fewer_ranks
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool
+from elasticrl.rollout.stream import Stream
 from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.trainers.copies import PeerCopies
 from elasticrl.trainers.loop import Cadence, Checkpoints, MetricsLog, Progress
@@ -202,6 +204,8 @@ class Run:
     shown: list = field(default_factory=list)        # the last evaluation's first greedy episodes, for the log
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
     copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
+    stream: object = None                            # rl.fully_async: the groups in flight (rollout.stream)
+    segment: Future | None = None                    # rl.fully_async: its rounds running while the trainers train
 
     @property
     def cadence(self) -> Cadence:
@@ -219,6 +223,31 @@ class Encoded:
         return self.encode(self.records[i])
 
 
+def in_background(fn, *args) -> Future:
+    """``fn(*args)`` in a thread of its own; the future answers (or raises) what it did."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def join_segment(run: Run, failed_ok: bool = False) -> None:
+    """Wait for the stream's background rounds; ``failed_ok`` (a recovery, which puts the stream
+    back as the checkpoint has it): they stop after the round in flight, and a failure of theirs
+    is dropped."""
+    segment, run.segment = run.segment, None
+    if segment is not None:
+        run.stream.trained.set()
+        if failed_ok:
+            run.stream.halted.set()
+        try:
+            segment.result()
+        except Exception:
+            if not failed_ok:
+                raise
+
+
 def resume_state(run: Run, resume: Resume) -> int:
     """What the driver carries between steps, from a checkpoint (the actor and the critic
     started from it already); returns the step to continue from."""
@@ -226,6 +255,8 @@ def resume_state(run: Run, resume: Resume) -> int:
     run.version = state["version"]
     run.drawn = state.get("prompts_seen", state["step"] * run.spec.rl.prompts_per_step)
     run.moments.mean, run.moments.var, run.moments.count = state["reward_moments"]
+    if run.stream is not None:
+        run.stream.restore(state["stream"])
     return state["step"]
 
 
@@ -241,6 +272,7 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     t0 = time.time()
     run.restarts += 1
     run.pending.clear()  # rolled out ahead on weights the restored roles never had
+    join_segment(run, failed_ok=True)
     run.checkpoints.salvage()  # a checkpoint the ranks were writing is one if they all finished it
     found = list_checkpoints(run.output / ckpt.CHECKPOINTS)
     source = "the newest checkpoint" if found else "the start"
@@ -253,6 +285,8 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     roles.form_trained(resume, elastic=True)
     if resume.folder is None:
         run.version, run.moments, run.drawn, start = 0, RunningMoments(), 0, 0
+        if run.stream is not None:
+            run.stream.restore(Stream.EMPTY)
     else:
         start = resume_state(run, resume)
     run.metrics.close()
@@ -309,7 +343,8 @@ def driver_state(run: Run, step: int) -> dict:
     m = run.moments
     ahead = sum(len(idx) for _, idx, _ in run.pending)  # drawn for steps after this one (async)
     return {"prompts_seen": run.drawn - ahead, "version": run.version,
-            "reward_moments": [m.mean, m.var, m.count]}
+            "reward_moments": [m.mean, m.var, m.count],
+            **({"stream": run.stream.state()} if run.stream is not None else {})}
 
 
 def save(run: Run, step: int) -> None:

@@ -131,3 +131,59 @@ def test_engines_killed_one_then_the_last_then_added_and_removed_live_change_no_
     _equal_runs(straight, out)
     refused = run_cli("scale", str(out), "--engines", "2", timeout=120)
     assert refused.returncode == 2 and "that job has finished" in refused.stderr
+
+
+FULLY_ASYNC = BASE + ["rollout.num_engines=2", "rl.num_steps=4", "eval.enabled=false", "rl.async_rollout=true",
+                      "rl.fully_async=true", "rl.max_staleness=2", "rl.chunk_tokens=2", "checkpoint.every_steps=2",
+                      "checkpoint.resume=auto"]
+
+
+def test_fully_async_survives_a_lost_engine_and_trainer_rank_and_resumes_exactly_with_samples_in_flight(
+        ray_cluster, tmp_path):
+    """rl.fully_async on 2 engines, 6-token completions in rounds of 2 tokens, a token at most 2
+    versions behind. The checkpoint after step 2 holds the samples in flight (their tokens and
+    versions); an engine is SIGKILLed 0.3 s after step 2, while the rounds go on (the checkpoint
+    shows samples part-way): its samples, tokens so far, go on on the other engine. A run
+    resumed from that checkpoint, in which a trainer rank is SIGKILLed once step 3 is logged
+    (L3: the rounds in flight stop, the trainers re-form from that checkpoint, and the queue is
+    put back as it has it), repeats steps 3-4: the engine's loss changed no sample (each request
+    is seeded by its sample), and the resume and the recovery continued the samples in flight."""
+    import shutil
+
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", FULLY_ASYNC)
+    killed = tmp_path / "killed"
+    fault = Fault(killed, "RolloutEngine", after=2, delay=0.3)
+    fault.start()
+    run_job(spec, killed)
+    fault.check()
+    state = json.loads((killed / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
+    resumed = tmp_path / "resumed"  # what a run stopped after step 2 leaves
+    shutil.copytree(killed / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
+    (resumed / "metrics.jsonl").write_text("".join(ln + "\n" for ln in (killed / "metrics.jsonl").read_text()
+                                                   .splitlines() if json.loads(ln)["step"] <= 2))
+    rank = Fault(resumed, "ActorWorker", after=3)
+    rank.start()
+    summary = run_job(spec, resumed)
+    rank.check()
+    _equal_runs(killed, resumed)
+    assert [(r["step"], r["from_step"]) for r in summary["recoveries"]] == [(4, 2)], summary["recoveries"]
+    rows = _rows(killed)
+    print(f"killed engine pid {fault.pid}; seconds per step " + ", ".join(
+        f"{rows[s]['time/step']:.1f} (rollout {rows[s]['time/rollout']:.1f}, sync {rows[s]['time/sync']:.1f})"
+        for s in range(1, 5)))
+    assert rows[2]["fault/engine_deaths"] == 0 and rows[4]["fault/engine_deaths"] == 1
+    # the checkpoint's queue: 24 groups drawn, 8 trained per step, the rest in flight, each sample once
+    stream = state["stream"]
+    groups = {}
+    for item in stream["items"]:
+        groups.setdefault(item["group"], []).append(item["j"])
+    assert stream["groups"] == state["prompts_seen"] and len(groups) == stream["groups"] - 2 * 8
+    assert all(sorted(js) == [0, 1, 2, 3] for js in groups.values())
+    partial = [i for i in stream["items"] if i["tokens"] and i["finish"] is None]
+    assert partial and all(len(i["tokens"]) == len(i["versions"]) == len(i["logprobs"]) for i in stream["items"])
+    # the staleness bound, token by token: at step s (trained at version s - 1) no token older than 2 versions
+    for s in range(1, 5):
+        lags = [int(k.rsplit("/", 1)[1]) for k in rows[s] if k.startswith("rl/token_staleness/")]
+        assert max(lags) == rows[s]["rl/token_staleness_max"] <= 2 and rows[s]["rl/staleness"] <= 2, rows[s]
+    assert max(rows[s]["rl/token_staleness_max"] for s in range(1, 5)) == 2  # samples did run across updates
+    assert max(rows[s]["rl/versions_per_sample"] for s in range(1, 5)) > 1

@@ -45,6 +45,18 @@ def test_a_grpo_spec_without_a_layout_gets_one_rank_with_every_core_and_an_engin
     assert _plan(BENCH, ["rl.prompts_per_step=512", "rollout.num_engines=1"])["rollout.kv_cache_gib"] == 70 / 32
 
 
+def test_async_rollouts_split_the_cores_between_the_trainer_and_the_engines():
+    # they run at once: half the cores to the engines. 2 cores -> min(1, 16 prompts) = 1 engine (the default,
+    # not listed) of 1 thread, 2 - 1 = 1 for the rank; the engine's KV cache holds all 64 sequences: 18/32 GiB
+    assert _plan(BENCH, ["rl.async_rollout=true"]) == {"train.num_ranks": 1, "train.threads": 1,
+                                                       "rollout.kv_cache_gib": 18 / 32}
+    # 16 cores, 64 GB: 8 engines of 1 thread, 16 - 8 = 8 threads for the rank
+    got = _plan(BENCH, ["rl.async_rollout=true"], cores=16, memory_gb=64)
+    assert (got["train.threads"], got["rollout.num_engines"]) == (8, 8) and "rollout.cpus_per_engine" not in got
+    # engines asked for (2, of the default 1 thread): the rank gets the 8 - 2 cores left
+    assert _plan(BENCH, ["rl.async_rollout=true", "rollout.num_engines=2"], cores=8)["train.threads"] == 6
+
+
 def test_fields_the_user_set_are_kept():
     # two ranks asked: each gets 8 // 2 = 4 threads; engines and KV cache asked: kept
     got = _plan(BENCH, ["train.num_ranks=2", "rollout.num_engines=1", "rollout.kv_cache_gib=2"], cores=8)
