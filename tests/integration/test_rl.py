@@ -186,9 +186,14 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
     """rl.old_logprobs: auto with one mini-batch per rollout batch (8 prompts x 4 = the global
     batch of 32): the update's own log-probs are the old ones, so the ratio is exactly 1 (no
     clipping, approx_kl 0) and the forward pass before it is skipped; the run matches one
-    that computes that pass (rl.old_logprobs: forward) step for step."""
-    sets = BASE + [HF_ENGINE, "train.num_ranks=1", "train.global_batch_size=32", "rl.num_steps=2",
-                   "eval.enabled=false", "rl.kl_coef=0.05", "rl.kl_mode=loss", "rl.kl_estimator=k3"]
+    that computes that pass (rl.old_logprobs: forward) step for step. The reward is the share of
+    digits in a completion, which varies within a group whatever the samples (the verifier's
+    could be 0 for all 32 on some CPU kinds, and then nothing moves)."""
+    # one micro-batch: the update's `kl` (a mean over micro-batches) is then the batch's token mean too
+    sets = BASE + [HF_ENGINE, "train.num_ranks=1", "train.global_batch_size=32", "train.micro_batch_size=32",
+                   "rl.num_steps=2",
+                   "eval.enabled=false", "rl.kl_coef=0.05", "rl.kl_mode=loss", "rl.kl_estimator=k3",
+                   "rewards.functions=[{path: 'tests.integration.faults:digit_share'}]"]
     runs = {}
     for mode in ("auto", "forward"):
         run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}"]), tmp_path / mode)
