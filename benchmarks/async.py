@@ -81,14 +81,17 @@ def main() -> None:
     ap.add_argument("--world", action="store_true", help="also the tiny world's held-out accuracy against time")
     ap.add_argument("--only-world", action="store_true", help="the tiny world's runs alone")
     ap.add_argument("--world-steps", type=int, default=40)
+    ap.add_argument("--world-evals", type=int, default=4, help="held-out evaluations over a world run")
     ap.add_argument("--set", action="append", default=[], help="a spec override for every run (KEY=VALUE)")
+    ap.add_argument("--modes", default=",".join(MODES), help="which modes, comma-separated (sync first)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
     samples = 4 * 4  # rl.prompts_per_step x rl.samples_per_prompt of async.yaml
-    tail: dict[str, list] = {m: [] for m in MODES}
-    world: dict[str, list] = {m: [] for m in MODES}
+    tail: dict[str, list] = {m: [] for m in modes}
+    world: dict[str, list] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="erl-async-") as tmp:
         for rnd in range(args.rounds):
-            order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
+            order = modes if rnd % 2 == 0 else list(reversed(modes))
             for mode in order:
                 print(f"round {rnd + 1}, {mode}: load average {os.getloadavg()[0]:.2f}", flush=True)
                 if args.only_world:
@@ -100,7 +103,8 @@ def main() -> None:
                     print(f"  long tail: {json.dumps(tail[mode][-1])}", flush=True)
                 if args.world:
                     rows = _run(ROOT / "examples" / "tiny_grpo.yaml", MODES[mode] + [
-                        f"rl.num_steps={args.world_steps}", f"eval.every_steps={max(1, args.world_steps // 4)}",
+                        f"rl.num_steps={args.world_steps}",
+                        f"eval.every_steps={max(1, args.world_steps // args.world_evals)}",
                         "log.progress_bar=false", "checkpoint.every_steps=0"],
                         Path(tmp) / f"world-{mode}-{rnd}")
                     world[mode].append(_world(rows))

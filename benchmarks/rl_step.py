@@ -6,7 +6,8 @@ completions) for both: elasticrl with its own layout (`elasticrl run`, nothing h
 TRL in its own environment (benchmarks/trl_env.sh, then benchmarks/trl_grpo.py) on the
 same model folder and prompt texts. Runs alternate, `--rounds` each; every run prints the
 load average before it, s/step of the steps after the first (median), per phase where the
-framework tells, launch -> end of step 1, peak memory summed over the run's processes, and
+framework tells, launch -> end of step 1, peak memory summed over the run's processes (resident,
+and proportional: PSS divides a shared page between the processes that map it), and
 the completion tokens per step (the same work is checked: 64 x 128 on both sides). The last
 line holds the ratios and the compute floor (the step's matmul FLOPs at the matmul rate
 measured here, at 2048-square and at the step's own shapes).
@@ -27,28 +28,11 @@ import threading
 import time
 from pathlib import Path
 
+from elasticrl.backend import tree_memory
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "benchmarks" / "rl_step.yaml"
 TRL_PYTHON = ROOT / "benchmarks" / ".trl-venv" / "bin" / "python"
-
-
-def _tree_rss(root: int) -> int:
-    """Resident bytes of ``root`` and every process below it (Ray's workers included: they
-    are children of the raylet, which the driver starts)."""
-    parent, rss = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                pid = int(entry.name)
-                parent[pid], rss[pid] = int(fields[1]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, IndexError, ValueError):
-                continue
-    total, frontier = rss.get(root, 0), {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier}
-        total += sum(rss[p] for p in frontier)
-    return total
 
 
 def _run(cmd: list[str], first_step, env=None) -> dict:
@@ -57,7 +41,7 @@ def _run(cmd: list[str], first_step, env=None) -> dict:
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
-    out, peak, first = [], 0, None
+    out, peak, first = [], {"rss": 0, "pss": 0}, None
 
     def read():
         nonlocal first
@@ -69,14 +53,16 @@ def _run(cmd: list[str], first_step, env=None) -> dict:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
+        now = tree_memory(proc.pid)
+        peak = {k: max(v, now[k]) for k, v in peak.items()}
         if first is None and first_step(None):
             first = time.time() - t0
         time.sleep(0.5)
     reader.join(10)
     if proc.returncode:
         sys.exit(f"{cmd[:3]} failed ({proc.returncode}):\n" + "".join(out[-30:]))
-    return {"wall": time.time() - t0, "first_step_s": first, "peak_gb": peak / 1e9, "out": out}
+    return {"wall": time.time() - t0, "first_step_s": first, "peak_gb": peak["rss"] / 1e9,
+            "peak_pss_gb": peak["pss"] / 1e9, "out": out}
 
 
 def _elasticrl(args, model_dir: Path) -> dict:
@@ -93,7 +79,7 @@ def _elasticrl(args, model_dir: Path) -> dict:
     return {"framework": "elasticrl", "s_per_step": statistics.median(x["time/step"] for x in steps),
             **{k: statistics.median(x[f"time/{k}"] for x in steps) for k in ("rollout", "experience", "train", "sync")},
             "completion_tokens": [round(x["response_length"] * 64) for x in rows if x["step"] > 0],
-            "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"]}
+            "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"], "peak_pss_gb": r["peak_pss_gb"]}
 
 
 def _trl(args, model_dir: Path, prompts: Path) -> dict:
@@ -106,7 +92,7 @@ def _trl(args, model_dir: Path, prompts: Path) -> dict:
             "rollout": statistics.median(x["generate"] for x in steps),
             "rest": statistics.median(x["seconds"] - x["generate"] for x in steps),
             "completion_tokens": [round(x["completions/mean_length"] * 64) for x in logs],
-            "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"]}
+            "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"], "peak_pss_gb": r["peak_pss_gb"]}
 
 
 def _matmul_tflops(dtype, shapes: list[tuple[int, int, int]], threads: int) -> float:
@@ -175,6 +161,9 @@ def main() -> None:
                       "speedup_vs_trl": round(med["trl"] / med["elasticrl"], 2),
                       "first_step_s": {k: statistics.median(r["first_step_s"] for r in v) for k, v in results.items()},
                       "peak_gb": {k: max(r["peak_gb"] for r in v) for k, v in results.items()},
+                      "peak_pss_gb": {k: max(r["peak_pss_gb"] for r in v) for k, v in results.items()},
+                      "pss_over_trl": round(max(r["peak_pss_gb"] for r in results["elasticrl"])
+                                            / max(r["peak_pss_gb"] for r in results["trl"]), 2),
                       "step_tflop": round(flops / 1e12, 2), "matmul_tflops_2048": round(square, 3),
                       "matmul_tflops_step_shapes": round(own, 3),
                       "floor_s": round(flops / 1e12 / square, 2),

@@ -14,8 +14,10 @@ import logging
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -126,11 +128,14 @@ def heavy_imports():
             gc.enable()
 
 
-def import_heavy(*modules: str) -> None:
-    """Import ``modules`` (what a role's set-up is about to import) under ``heavy_imports``."""
+def import_heavy(*modules: str) -> float:
+    """Import ``modules`` (what a role's set-up is about to import) under ``heavy_imports``;
+    the seconds it took (a role's start-up figures)."""
+    t0 = time.time()
     with heavy_imports():
         for name in modules:
             importlib.import_module(name)
+    return time.time() - t0
 
 
 def resolve_dtype(name: str) -> str:
@@ -286,3 +291,42 @@ def environment() -> dict:
             pass
     return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "gpus": [name for name, _ in gpus()], "packages": versions}
+
+
+def tree_memory(root: int | None = None) -> dict[str, int]:
+    """Resident (``rss``) and proportional (``pss``: a shared page divided between the
+    processes that map it) bytes of ``root`` (this process) and every process below it on this
+    node: a run's driver, the Ray processes it started and their workers (children of the
+    raylet). A process that ends while it is read, or whose memory may not be read, counts 0."""
+    root = root or os.getpid()
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = {root}, {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - tree
+        tree |= frontier
+    out = {"rss": 0, "pss": 0}
+    for pid in tree:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                key = line.split(":")[0]
+                if key in ("Rss", "Pss"):
+                    out[key.lower()] += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def process_age_s(pid: int | None = None) -> float | None:
+    """Seconds since process ``pid`` (this one) started: a run's launch, for its start-up
+    figures; None where /proc does not tell."""
+    try:
+        start = int(Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None

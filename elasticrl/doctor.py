@@ -299,3 +299,4 @@ def _memory_fit(spec) -> str:
 def report(found: list[Finding]) -> str:
     width = max(len(f.check) for f in found)
     return "\n".join(f"{f.status:<4}  {f.check:<{width}}  {f.detail}" for f in found)
+

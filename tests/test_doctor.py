@@ -3,6 +3,8 @@ each thing a user gets wrong before a long run."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from tests.conftest import EXAMPLES, run_cli
 
@@ -84,3 +86,37 @@ def test_doctor_names_heads_that_vllms_cpu_attention_cannot_compute(tmp_path):
                                       r"this model's heads have 16 \(.*/config.json\); set rollout.backend: hf"):
         _model(load_spec(EXAMPLES / "tiny_grpo.yaml", [f"model.path={folder}"]))
     assert _model(load_spec(EXAMPLES / "tiny_grpo.yaml", [f"model.path={folder}", "rollout.backend=hf"]))
+
+
+
+def test_tree_memory_divides_a_shared_page_between_its_mappers_in_pss_and_walks_the_tree():
+    """Two children map one 64 MiB file in /dev/shm and touch every page, a third touches 64 MiB
+    of its own: the three count alike in RSS, but in PSS each mapper 32 MiB less than the
+    owner (the shared pages divided between two), and this process's tree holds all three."""
+    import subprocess
+    import sys
+
+    from elasticrl.backend import tree_memory
+
+    mib = 2**20
+    shared = Path("/dev/shm") / f"erl-test-pss-{os.getpid()}"
+    shared.write_bytes(b"\1" * (64 * mib))
+    touch = "s = sum(m[i] for i in range(0, len(m), 4096)); print('ready', flush=True); time.sleep(60)"
+    mapper = "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); " + touch
+    owner = "import sys, time; m = bytearray(b'\\1') * (64 * 2**20); " + touch
+    before = tree_memory()
+    kids = [subprocess.Popen([sys.executable, "-c", code, str(shared)], stdout=subprocess.PIPE, text=True)
+            for code in (mapper, mapper, owner)]
+    try:
+        assert all(k.stdout.readline().strip() == "ready" for k in kids)
+        each = [tree_memory(k.pid) for k in kids]
+        after = tree_memory()
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+        shared.unlink()
+    for m in each[:2]:
+        assert abs(m["rss"] - each[2]["rss"]) < 4 * mib, each
+        assert abs(each[2]["pss"] - m["pss"] - 32 * mib) < 4 * mib, each
+    assert after["rss"] - before["rss"] > 3 * 64 * mib and after["pss"] - before["pss"] > 2 * 64 * mib

@@ -4,11 +4,13 @@ On CPUs the phases of a step take turns on the same cores, so each phase should 
 them (async rollouts generate while the trainers train: half the cores go to the engines,
 the rest to the trainers). Training: one data-parallel rank using every core (ranks on
 one machine only split the same cores, and add an all-reduce and an optimizer copy each);
-the frozen models (reference, reward) run in ranks of the same size, between the trainer's
-phases. Rollout: engines of one thread each, one per core, as far as memory allows (vLLM's
-CPU decode at small batches scales better over engines than over threads: on the step
-benchmark's 44m model, two engines of one thread rolled out a step in 5.0 s where one engine
-of two took 9.0; see benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
+the frozen models (reward) run in ranks of the same size, between the trainer's phases; an
+RL job's reference is a frozen copy in the actor's process (``placement.reference:
+in_actor``: one process fewer importing the stack and holding its memory). Rollout: engines
+of one thread each, one per core, as far as memory allows (vLLM's CPU decode at small
+batches scales better over engines than over threads: on the step benchmark's 44m model,
+two engines of one thread rolled out a step in 5.0 s where one engine of two took 9.0; see
+benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
 alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step). KV cache: each engine's
 holds its share of a step's sequences at full length (``kv_cache_gib``), not vLLM's 1 GiB
 floor of whole GiB: the step benchmark's two engines need 0.22 GiB each in fp32 (0.28 with
@@ -110,6 +112,8 @@ def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict, v
         engine_cores = engines * r.tp_size * out.get("rollout.cpus_per_engine", r.cpus_per_engine) if overlap else 0
     if "train.threads" not in pinned:
         out["train.threads"] = max(1, (cores - engine_cores) // ranks)
+    if "reference" in roles and "placement.reference" not in pinned and ALGORITHMS[spec.algorithm].family == "rl":
+        out["placement.reference"] = "in_actor"  # its forward takes the same cores: one process fewer to start
     return {k: v for k, v in out.items() if v != _current(spec, k)}
 
 

@@ -33,7 +33,8 @@ class Role(NamedTuple):
     cpus: int = 1             # CPUs per rank on a machine without GPUs
     gpus: int = 1             # GPUs per rank (rollout: its tensor-parallel size)
     copies: int = 1           # role groups of this role (one per reward model)
-    in_trainer: bool = False  # lives inside the trainer's ranks (dpo's reference), not a group of its own
+    in_trainer: bool = False  # lives inside the trainer's ranks (dpo's reference, placement.reference:
+    #                           in_actor), not a group of its own
 
 
 def is_rl(spec: JobSpec) -> bool:
@@ -61,7 +62,8 @@ def _model_roles(spec: JobSpec) -> dict[str, Role]:
         roles["rollout"] = Role("lm", r.num_engines, cpus=r.cpus_per_engine, gpus=r.tp_size)
     if alg.family == "rl":
         if spec.rl.kl_coef > 0 and not spec.model.lora.rank:  # under LoRA the base is the reference: the actor's
-            roles["reference"] = Role("lm", p.reference_ranks or n)
+            roles["reference"] = Role("lm", n, in_trainer=True) if p.reference == "in_actor" else \
+                Role("lm", p.reference_ranks or n)
         if alg.critic:
             roles["critic"] = Role("value", spec.critic.num_ranks)
         if reward_models(spec):
@@ -71,6 +73,8 @@ def _model_roles(spec: JobSpec) -> dict[str, Role]:
 
 def _colocated(spec: JobSpec, roles: dict[str, Role]) -> list[list[str]]:
     groups = COLOCATION[spec.placement.colocate] if is_rl(spec) else [["actor", "reference"]]
+    if "reference" in roles and roles["reference"].in_trainer and not any("reference" in g for g in groups):
+        groups = [["actor", "reference"], *groups]  # placement.reference: in_actor
     return [m for m in ([r for r in g if r in roles] for g in groups) if len(m) > 1]
 
 

@@ -51,11 +51,12 @@ class RolloutEngine:
         self._start()
 
     def _start(self) -> None:
+        t0 = time.time()
         with backend.heavy_imports():
             from vllm import LLM
 
         a = self.args
-        t0 = time.time()
+        self.import_seconds, t0 = time.time() - t0, time.time()
         lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_rank_bucket(self.lora_rank),
                 **({"quantization": self.quantization} if self.quantization else {})} if self.lora_rank else {}
         self.llm = LLM(model=self.model_path, tensor_parallel_size=a["tp_size"], dtype=_VLLM_DTYPE[a["dtype"]],
@@ -81,7 +82,8 @@ class RolloutEngine:
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "version": self.gate.version, "start_seconds": self.start_seconds, "tp_size": self.args["tp_size"],
+                "version": self.gate.version, "start_seconds": self.start_seconds,
+                "import_seconds": self.import_seconds, "tp_size": self.args["tp_size"],
                 "dtype": self.args["dtype"], **self.prepared}
 
     # --- generation ---------------------------------------------------------------------

@@ -409,6 +409,11 @@ class PlacementSpec:
                              "(reference, reward), and the actor's and critic's gradients and optimizer state "
                              "through rollout and experience (no effect on CPU; the planner sets it when memory "
                              "needs it).", False)
+    reference: Literal["role", "in_actor"] = doc(
+        "Where an RL job's reference (rl.kl_coef > 0, no LoRA) runs: 'role', ranks of its own (with "
+        "train.zero_stage 3, its weights sharded over them); 'in_actor', a frozen copy in each actor rank's "
+        "process (no process of its own: one import of the stack and one start-up less). elasticrl run on a "
+        "machine without GPUs picks in_actor.", "role")
     reference_ranks: int = doc("Ranks of the reference model; 0 = as many as the actor. With "
                                "train.zero_stage 3 its weights are sharded over them.", 0, min=0)
     reward_ranks: int = doc("Ranks of each reward model; with train.zero_stage 3 its weights are sharded "

@@ -17,6 +17,7 @@ Run it:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import sys
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import ray
 import torch
 
+from elasticrl import backend
 from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, overlong_penalty, varying_groups
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import masked_whiten
@@ -113,6 +115,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     check_user_files(spec, lambda path: _check_prompts(spec, path), prompt_answer(spec.data))
     # the reward functions' process starts first: one that does not import fails before Ray
     with RewardSources(spec) as rewards, environments(spec) as envs, ray_session(spec.ray, cpus_needed(spec)):
+        ray_up = backend.process_age_s()
         if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
             path = trained_reward_model(spec)
             spec = dataclasses.replace(spec, rewards=dataclasses.replace(
@@ -128,11 +131,14 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
             // spec.train.global_batch_size
         roles = Roles(spec, paths, total_updates, resume)
         summary["placement"] = roles.layout()
-        summary["startup"] = roles.startup
+        summary["startup"] = up = {"launch_to_ray_s": ray_up and round(ray_up, 1), **roles.startup,
+                                   "launch_to_roles_s": round(backend.process_age_s() or 0.0, 1)}
         summary["threads"] = threads = roles.threads()
-        print(f"start-up: every role up in {roles.startup['roles_s']} s (trained and frozen models "
-              f"{roles.startup['models_s']} s, the engines starting meanwhile); CPU threads per rank: "
-              + ", ".join(f"{r} {n}" for r, n in threads.items()), file=sys.stderr, flush=True)
+        print(f"start-up: launch -> Ray up {up['launch_to_ray_s']} s, every role up at {up['launch_to_roles_s']} s "
+              f"({up['roles_s']} s; " + ", ".join(
+                  f"{role} {' + '.join(f'{k} {v}' for k, v in figures)}" for role, figures in _per_role(up).items())
+              + "); CPU threads per rank: " + ", ".join(f"{r} {n}" for r, n in threads.items()),
+              file=sys.stderr, flush=True)
         try:
             evals_used = range(min(len(evals), spec.eval.num_prompts or len(evals)))
             run = Run(spec, roles, rewards, tok, prompts, prompt_ids, evals, [eval_ids[i] for i in evals_used], output,
@@ -144,6 +150,16 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         finally:
             roles.shutdown()
     return summary
+
+
+def _per_role(startup: dict) -> dict[str, list[tuple[str, float]]]:
+    """role -> [(what, seconds)] of ``Roles.startup``'s per-role figures (``actor/import_s`` ...)."""
+    out: dict[str, list] = {}
+    for key, v in startup.items():
+        if "/" in key:
+            role, what = key.split("/")
+            out.setdefault(role, []).append((what.removesuffix("_s").replace("_", " "), v))
+    return out
 
 
 def _check_prompts(spec: JobSpec, path: str) -> None:
@@ -168,6 +184,8 @@ def _train_run(run: Run, resume: Resume) -> dict:
     spec, roles = run.spec, run.roles
     run.stream = Stream(spec, run.prompt_ids, lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)) \
         if spec.rl.fully_async else None
+    if spec.rollout.environment and spec.rl.async_rollout:  # (a fast tokenizer is not for two threads at once)
+        run.thread_tokenizer = copy.deepcopy(run.tokenizer)
     start = resume_state(run, resume) if resume.folder else 0
     transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                                   str(run.output / "weights"))
@@ -197,6 +215,7 @@ def _train_run(run: Run, resume: Resume) -> dict:
         except RoleError as exc:
             step = recover(run, exc, step)
     roles.pool.detach()
+    summary["memory/pss_gb"] = max(run.pss_gb or 0.0, backend.tree_memory()["pss"] / 1e9)  # the first step's, or now's
     summary = finish_run(roles.actor, spec, run.output, summary, row, run.progress, run.metrics, run.checkpoints)
     total = sum(run.totals.values()) or 1.0
     summary["time_share"] = {k: round(v / total, 3) for k, v in run.totals.items()}
@@ -215,21 +234,25 @@ def rollout(run: Run, step: int) -> Step:
     engines, run.scale_seen = asked_engines(run.output, run.scale_seen)  # `elasticrl scale`
     if engines is not None:
         run.roles.pool.scale_to(engines)
+    episodes = bool(run.spec.rollout.environment)
     with _timed(s, "rollout"):
-        if run.spec.rollout.environment:  # multi-turn episodes, on the current weights
-            s.indices = _draw(run)
-            s.results, info = _episodes(run, [run.prompts[i] for i in s.indices], sampling_params(run.spec, step))
-            s.info.update(info)
-        elif rl.fully_async:
+        if rl.fully_async:
             s.indices, s.results, info = _from_stream(run, step)
             s.info.update(info)
         else:
             if not run.pending:
                 _submit(run, step)
             _, s.indices, handle = run.pending.popleft()
-            s.results = run.roles.pool.collect(handle)
+            if episodes:
+                join_segment(run)
+                s.results, info = handle.result()
+                s.info.update(info)
+            else:
+                s.results = run.roles.pool.collect(handle)
         s.generated = sum(len(r.logprobs) for r in s.results)
-        depth = rl.max_staleness if rl.async_rollout and not rl.fully_async else 0
+        # async: batches rolled out ahead on the current weights; episodes one batch (joined before the sync)
+        depth = (min(1, rl.max_staleness) if episodes else rl.max_staleness) \
+            if rl.async_rollout and not rl.fully_async else 0
         while len(run.pending) < depth and step + 1 + len(run.pending) < rl.num_steps:
             ahead = step + 1 + len(run.pending)
             if any(run.cadence.checkpoint(t + 1) for t in range(step, ahead)):
@@ -256,15 +279,21 @@ def _from_stream(run: Run, step: int) -> tuple[list[int], list[Sample], dict]:
 
 
 def _submit(run: Run, step: int) -> None:
-    idx = _draw(run)
-    handle = run.roles.pool.submit([run.prompt_ids[i] for i in idx], sampling_params(run.spec, step))
+    """Step ``step``'s rollout on the current weights: its requests queued in the pool, or its
+    episodes going on turn by turn in a driver thread (``run.segment``, joined before the next sync)."""
+    idx, sampling = _draw(run), sampling_params(run.spec, step)
+    if run.spec.rollout.environment:
+        tok = run.thread_tokenizer or run.tokenizer
+        handle = run.segment = in_background(_episodes, run, [run.prompts[i] for i in idx], sampling, tok)
+    else:
+        handle = run.roles.pool.submit([run.prompt_ids[i] for i in idx], sampling)
     run.pending.append((step, idx, handle))
 
 
-def _episodes(run: Run, rows: list[dict], sampling: dict) -> tuple[list[Sample], dict]:
+def _episodes(run: Run, rows: list[dict], sampling: dict, tokenizer=None) -> tuple[list[Sample], dict]:
     """``rows``' multi-turn episodes with the job's environment (``rollout.environment``)."""
     spec = run.spec
-    return run_episodes(run.roles.pool, run.envs, run.tokenizer, rows, sampling, spec.rl.max_turns,
+    return run_episodes(run.roles.pool, run.envs, tokenizer or run.tokenizer, rows, sampling, spec.rl.max_turns,
                         spec.rl.max_episode_tokens or spec.rollout.max_model_len, spec.rollout.max_model_len)
 
 
@@ -440,8 +469,8 @@ def _start_model_passes(run: Run, batch_ref) -> dict:
         out["old_logprobs"] = (roles.actor.call("logprobs", batch_ref, wait=False), "logprobs")
     if roles.reference is not None:
         out["ref_logprobs"] = (roles.reference.call("score", batch_ref, wait=False), "values")
-    elif run.spec.rl.kl_coef > 0:  # LoRA: the reference is the actor's model with its adapters off
-        out["ref_logprobs"] = (roles.actor.call("base_logprobs", batch_ref, wait=False), "logprobs")
+    elif run.spec.rl.kl_coef > 0:  # in the actor's ranks: its frozen copy, or (LoRA) its model with adapters off
+        out["ref_logprobs"] = (roles.actor.call("reference_logprobs", batch_ref, wait=False), "logprobs")
     if roles.critic is not None:
         out["old_values"] = (roles.critic.call("values", batch_ref, wait=False), "values")
     return out
@@ -550,6 +579,9 @@ def report(run: Run, s: Step) -> dict:
            "fault/trainer_restarts": run.restarts, "fault/seconds_lost": run.seconds_lost,
            **{f"time/{k}": s.seconds[k] for k in PHASES},
            "time/step": sum(s.seconds.values()), "rollout/tokens_per_s": s.generated / max(s.seconds["rollout"], 1e-9)}
+    if run.pss_gb is None:  # the run's first step: the footprint with every role up and working
+        run.pss_gb = row["memory/pss_gb"] = backend.tree_memory()["pss"] / 1e9
+        row["time/launch_to_first_step"] = backend.process_age_s()
     copy = spec.fault.memory_copy_steps
     if copy and done % copy == 0 and not run.cadence.checkpoint(done):
         t0 = time.time()

@@ -60,6 +60,7 @@ class Roles:
             log.warning("placement.offload_idle: ignored without GPUs (frozen models stay in host memory anyway)")
         self.groups: list[RoleGroup] = []
         self.actor = self.critic = None
+        self.setups: dict[str, dict] = {}  # role -> its rank 0's set-up figures (import_s, load_s)
         t0 = time.time()
         # the engines start first and load while the trained and frozen roles are built
         self.pool = RolloutPool(paths["model"], spec.rollout, spec.model.dtype, spec.seed,
@@ -68,19 +69,23 @@ class Roles:
         self.groups.append(self.pool.group)
         # the frozen roles load while the trained ones are built
         self.reference, self.rewards, frozen = None, [], []
-        if "reference" in p.roles:
+        if "reference" in p.roles and not p.roles["reference"].in_trainer:
             self.reference = self._frozen("reference")
-            frozen.append(self.reference.setup(wait=False))
+            frozen.append(("reference", self.reference.setup(wait=False)))
         for i, m in enumerate(spec.rewards.models):
             g = self._frozen(f"reward{i}")
-            frozen.append(g.setup(wait=False))
+            frozen.append((f"reward{i}", g.setup(wait=False)))
             self.rewards.append((g, m.weight))
         self.form_trained(resume)
-        for wait in frozen:
-            wait()
+        for name, wait in frozen:
+            self.setups[name] = wait()[0]
         t_models = time.time()
         self.pool.ready()
-        self.startup = {"models_s": round(t_models - t0, 1), "roles_s": round(time.time() - t0, 1)}
+        engine = self.pool.infos[0] if self.pool.live else {}
+        self.setups["rollout"] = {"import_s": engine.get("import_seconds", 0.0), "load_s": engine.get("start_seconds")}
+        self.startup = {"models_s": round(t_models - t0, 1), "roles_s": round(time.time() - t0, 1),
+                        **{f"{role}/{k}": round(v, 1) for role, got in self.setups.items()
+                           for k, v in got.items() if k.endswith("_s") and v is not None}}
 
     def form_trained(self, resume: Resume, elastic: bool = False) -> None:
         """The trained roles, the actor and (ppo) the critic, from ``resume``'s checkpoint or
@@ -96,13 +101,13 @@ class Roles:
             "actor", ActorWorker, d, self.paths["model"], ranks=ranks, place_timeout_s=timeout)))
         if spec.rl.ptx_coef > 0:
             self.actor.call("set_ptx_data", self.paths["sft"])
-        self.actor.setup(self.total_updates, resume=resume.role("actor"))
+        self.setups["actor"] = self.actor.setup(self.total_updates, resume=resume.role("actor"))[0]
         if "critic" in p.roles:
             init = spec.critic.path or (spec.rewards.models[0].path if spec.rewards.models else self.paths["model"])
             self.critic = self._add(self.trained_groups("critic", elastic, lambda ranks, timeout: p.group(
                 "critic", CriticWorker, d, init, critic_train(spec, ranks), spec.critic.lr, ranks=ranks,
                 place_timeout_s=timeout)))
-            self.critic.setup(self.total_updates, resume=resume.role("critic"))
+            self.setups["critic"] = self.critic.setup(self.total_updates, resume=resume.role("critic"))[0]
 
     def reform_frozen(self, name: str) -> str:
         """Build the frozen role ``name`` (``reference``, or ``rewardI``) again from its folder after
@@ -205,7 +210,10 @@ class Run:
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
     copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
     stream: object = None                            # rl.fully_async: the groups in flight (rollout.stream)
-    segment: Future | None = None                    # rl.fully_async: its rounds running while the trainers train
+    segment: Future | None = None                    # what rolls out in a driver thread while the trainers train:
+    #                                                  the stream's rounds, or the next step's episodes (async)
+    pss_gb: float | None = None                      # the process tree's PSS after the run's first step
+    thread_tokenizer: object = None                  # the tokenizer's copy that thread uses (async episodes)
 
     @property
     def cadence(self) -> Cadence:
@@ -233,14 +241,15 @@ def in_background(fn, *args) -> Future:
 
 
 def join_segment(run: Run, failed_ok: bool = False) -> None:
-    """Wait for the stream's background rounds; ``failed_ok`` (a recovery, which puts the stream
-    back as the checkpoint has it): they stop after the round in flight, and a failure of theirs
-    is dropped."""
+    """Wait for what rolls out in the background (``Run.segment``); ``failed_ok`` (a recovery,
+    which puts the driver back as the checkpoint has it): the stream's rounds stop after the
+    round in flight, and a failure is dropped."""
     segment, run.segment = run.segment, None
     if segment is not None:
-        run.stream.trained.set()
-        if failed_ok:
-            run.stream.halted.set()
+        if run.stream is not None:
+            run.stream.trained.set()
+            if failed_ok:
+                run.stream.halted.set()
         try:
             segment.result()
         except Exception:

@@ -9,6 +9,7 @@ log-probs are those of softmax(logits / rl.temperature), the distribution rollou
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -19,7 +20,7 @@ from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logpr
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
 from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
 from elasticrl.engine.strategy import ds_config, init_distributed
-from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
+from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values, torch_dtype
 from elasticrl.spec import load_spec
 from elasticrl.trainers.batch import Experience, rows_reply, widened
 from elasticrl.trainers.worker import TRAINER_IMPORTS, RankWorker
@@ -65,9 +66,15 @@ class ActorWorker(_TrainedRole):
 
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         out = super().setup(rank, world_size, addr, port, total_steps, resume)
-        rl = self.spec.rl
-        if rl.ptx_coef > 0:
+        s = self.spec
+        if s.rl.ptx_coef > 0:
             self.ptx_records = read_records(self.ptx_path, ("prompt", "response"))
+        self.ref = None  # placement.reference: in_actor: the frozen start model, whole in this process
+        if s.placement.reference == "in_actor" and s.rl.kl_coef > 0 and not self.core.lora:
+            t0 = time.time()
+            self.ref = load_causal_lm(self.model_path, s.model.trust_remote_code).to(
+                self.core.device, torch_dtype(self.core.dtype)).eval().requires_grad_(False)
+            out["reference_load_s"] = time.time() - t0
         return out
 
     def set_ptx_data(self, path: str) -> None:
@@ -81,11 +88,17 @@ class ActorWorker(_TrainedRole):
         return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
 
     @torch.no_grad()
-    def base_logprobs(self, batch: Experience) -> dict:
-        """The reference's log-probs under LoRA (``model.lora``): the base, the model with its
-        adapters switched off, in this process (no reference role, no copy of the weights)."""
-        with self.core.engine.module.disable_adapter():
-            return self.logprobs(batch)
+    def reference_logprobs(self, batch: Experience) -> dict:
+        """The reference's log-probs in this process: its frozen copy's (placement.reference:
+        in_actor), or under LoRA (``model.lora``) the base's, the model with its adapters switched
+        off (no copy of the weights)."""
+        if self.ref is None:
+            with self.core.engine.module.disable_adapter():
+                return self.logprobs(batch)
+        T = self.spec.rl.temperature
+        share, lp = self._forward_all(batch, lambda mb: token_logprobs(
+            self.ref(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels, T))
+        return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
 
     def _logits(self, mb: Experience) -> torch.Tensor:
         return self.core.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
@@ -201,7 +214,7 @@ class FrozenWorker:
         self.offload_idle = offload_idle and backend.has_gpu()
 
     def setup(self, rank, world_size, addr, port, *_):
-        backend.import_heavy(*TRAINER_IMPORTS)
+        imported, t0 = backend.import_heavy(*TRAINER_IMPORTS), time.time()
         self.rank, self.world_size = rank, world_size
         s = self.spec
         backend.set_threads(s.train.threads)
@@ -226,7 +239,7 @@ class FrozenWorker:
                 torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
             self.model.requires_grad_(False)
             self._place(backend.current_device() if not self.offload_idle else torch.device("cpu"))
-        return {}
+        return {"import_s": imported, "load_s": time.time() - t0}
 
     def threads(self) -> int:
         return torch.get_num_threads()

@@ -5,6 +5,8 @@ export, the weight sync into the rollout engines, its threads, and ``placement.o
 A worker (SFT, preference, reward model, actor, critic) adds only its data and its steps."""
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 
@@ -31,11 +33,11 @@ class RankWorker:
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         """Join the role's process group and build the engine (from ``resume``'s checkpoint
         folder of this role, or the model)."""
-        backend.import_heavy(*TRAINER_IMPORTS)
+        imported, t0 = backend.import_heavy(*TRAINER_IMPORTS), time.time()
         self.core = TrainRank(self.spec, self.train, self.model_path, rank, world_size, addr, port, total_steps,
                               lr=self.lr, kind=self.kind, resume=resume)
         self.rank = rank
-        return {"dtype": self.core.dtype}
+        return {"dtype": self.core.dtype, "import_s": imported, "load_s": time.time() - t0}
 
     def threads(self): return torch.get_num_threads()
     def save(self, folder, background=False): return self.core.save(folder, background)

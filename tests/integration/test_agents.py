@@ -125,16 +125,18 @@ def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_
             assert a.episode["reward"] == pytest.approx(0.25 * (turns - 1) + 1.0)
 
 
-def test_ppo_on_episodes_scores_the_environments_rewards_and_reports_the_episodes(ray_cluster, tmp_path):
+def test_ppo_on_episodes_rolled_out_a_step_ahead_scores_the_environments_rewards_and_reports_them(ray_cluster,
+                                                                                                   tmp_path):
     """PPO with a critic (2 steps, evaluation at the start and the end; the transformers engine,
-    whose vLLM import the first test pays) on episodes of 2-4 turns
-    whose environment rewards every turn: the rewards are the environment's plus the verifier's,
-    the critic learns on the model's tokens (GAE skips the observations:
-    tests/algorithms/test_rl_math.py), the engines' log-probs of every model token are the
-    trainer's, the episode figures are in metrics.jsonl and the evaluations' first episodes,
-    whole, in episodes.jsonl."""
+    whose vLLM import the first test pays) on episodes of 2-4 turns whose environment rewards
+    every turn, with async rollouts: step 2's episodes go on in a driver thread while step 1
+    trains, on the weights before it (staleness 1, weighed by rl.is_correction's tis). The
+    rewards are the environment's plus the verifier's, the critic learns on the model's tokens
+    (GAE skips the observations: tests/algorithms/test_rl_math.py), step 1's engine log-probs of
+    every model token are the trainer's, the episode figures are in metrics.jsonl and the
+    evaluations' first episodes, whole, in episodes.jsonl."""
     sets = BASE + [SEED, "train.num_ranks=1", "rl.num_steps=2", "rl.freeze_actor_steps=0", "rl.temperature=0.7",
-                   "rl.max_turns=4", "rollout.max_model_len=128", "rewards.workers=1",
+                   "rl.max_turns=4", "rollout.max_model_len=128", "rewards.workers=1", "rl.async_rollout=true",
                    "rollout.environment=tests.integration.environments:Chatty",
                    "eval.num_prompts=8", "eval.every_steps=2", "rl.eval_samples=1", HF_ENGINE]
     run_rl(load_spec(EXAMPLES / "tiny_ppo.yaml", sets), tmp_path / "run")
@@ -145,7 +147,10 @@ def test_ppo_on_episodes_scores_the_environments_rewards_and_reports_the_episode
         assert 1.5 <= r["episode/turns"] <= 4 and r["episode/tool_calls"] == 0 and r["time/environment"] > 0
         # the verifier (weight 1) scores 1 for a right last turn: the accuracy; the rest is the environment's
         assert r["reward/mean"] == pytest.approx(r["episode/reward"] + r["accuracy"], abs=1e-6)
-        assert r["episode/reward"] > 0.5 and r["value_loss"] > 0 and r["rollout/logprob_gap"] <= 1e-4, r
+        assert r["episode/reward"] > 0.5 and r["value_loss"] > 0, r
+    assert [r["rl/staleness"] for r in steps] == [0, 1]
+    assert steps[0]["rollout/logprob_gap"] <= 1e-4 and steps[0]["mismatch/kl"] < 1e-7
+    assert steps[1]["rollout/logprob_gap"] > 1e-3 and steps[1]["is/ratio_mean"] != pytest.approx(1.0, abs=1e-4)
     shown = [json.loads(ln) for ln in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     assert [e["step"] for e in shown] == [0] * 4 + [2] * 4
     assert all(e["messages"][0]["role"] == "user" and e["messages"][1]["role"] == "assistant" for e in shown)

@@ -5,6 +5,7 @@ after a SIGKILL, which nothing can catch, the run's reaper sweeps what it left w
 engines' buffers) and nothing else. While it runs, the run listens on 127.0.0.1 only."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 
 from elasticrl.files import OWNER_MARK, _processes_naming, shm_owner, sweep_orphans
 from tests.conftest import EXAMPLES, ROOT
-from tests.integration.faults import logged_step
+from tests.integration.faults import actor_pids, logged_step
 from tests.integration.test_launch import _descendants
 
 pytestmark = pytest.mark.slow
@@ -26,11 +27,11 @@ LONG = ["model.dtype=fp32", "log.progress_bar=false", "init.sft_steps=60", "rl.n
         "train.micro_batch_size=16", "train.global_batch_size=32"]
 
 
-def _running(tmp_path, step: int) -> tuple[subprocess.Popen, Path]:
-    """`elasticrl run` of a long GRPO job, once it has logged ``step`` (-1: once its Ray runs):
-    (its process, its Ray folder)."""
+def _running(tmp_path, step: int, more: tuple = ()) -> tuple[subprocess.Popen, Path]:
+    """`elasticrl run` of a long GRPO job (``more``: --set items), once it has logged ``step``
+    (-1: once its Ray runs): (its process, its Ray folder)."""
     out = tmp_path / "run"
-    sets = [x for kv in LONG for x in ("--set", kv)]
+    sets = [x for kv in LONG + list(more) for x in ("--set", kv)]
     proc = subprocess.Popen([sys.executable, "-m", "elasticrl.cli", "run", str(EXAMPLES / "tiny_grpo.yaml"),
                              "--output", str(out), *sets], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -86,8 +87,13 @@ def _gone(folder: Path, within_s: float) -> bool:
 
 
 def test_a_run_listens_on_localhost_only_and_sigterm_ends_it_leaving_nothing(tmp_path):
-    proc, folder = _running(tmp_path, 1)
+    """With a KL to a reference, which the CPU layout puts in the actor's process; the run
+    reports its start-up per role and its footprint (PSS over its process tree)."""
+    proc, folder = _running(tmp_path, 1, ("rl.kl_coef=0.01",))
     assert folder.stat().st_mode & 0o777 == 0o700  # private to the user while it runs
+    assert actor_pids("ActorWorker", proc.pid) and not actor_pids("FrozenWorker", proc.pid)  # no reference process
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and 1.0 < first["memory/pss_gb"] < 20 and first["time/launch_to_first_step"] > 5
     # every server of the run (Ray's, its agents' and metrics endpoints, every worker's, the
     # trainers' process group, the weight group's) listens on the loopback address only, and
     # the dashboard's web port is not open
@@ -103,6 +109,8 @@ def test_a_run_listens_on_localhost_only_and_sigterm_ends_it_leaving_nothing(tmp
     assert proc.returncode == 143, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "Traceback" not in err and last.startswith("error: terminated (SIGTERM)"), err[-3000:]
+    startup = next(ln for ln in err.splitlines() if ln.startswith("start-up: launch -> Ray up "))
+    assert all(f in startup for f in ("actor import ", " + load ", " + reference load ", "rollout import ")), startup
     assert _gone(folder, 10), (folder, _processes_naming(str(folder)))
     assert shm and not [p for p in shm if p.exists()]  # the engines' weight buffers in /dev/shm too
     print(f"{len(sockets)} listening sockets, all on 127.0.0.1; SIGTERM: exit 143 in {took:.1f} s, Ray's folder, "

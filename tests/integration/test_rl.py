@@ -99,12 +99,13 @@ def test_a_rank_that_fails_in_its_constructor_is_reported_with_the_real_cause(ra
 def test_zero3_sharded_reference_scores_like_a_whole_one(ray_cluster):
     """With train.zero_stage 3 the reference's weights are sharded over its ranks; the
     log-probs must equal those of one rank holding the whole model, also when the ranks get
-    different numbers of rows (5 rows, 2 ranks, micro-batch 2: the short rank pads)."""
+    different numbers of rows (5 rows, 2 ranks, micro-batch 2: the short rank pads). The
+    reference inside the actor's process (placement.reference: in_actor) scores the same."""
     import torch
 
     from elasticrl.spec import spec_to_dict
     from elasticrl.trainers.batch import pack
-    from elasticrl.trainers.rl_workers import FrozenWorker
+    from elasticrl.trainers.rl_workers import ActorWorker, FrozenWorker
 
     spec = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["train.zero_stage=3", "train.micro_batch_size=2"])
     model = initial_model(spec)
@@ -119,8 +120,17 @@ def test_zero3_sharded_reference_scores_like_a_whole_one(ray_cluster):
         finally:
             group.shutdown()
         out[ranks] = torch.cat([p["values"] for p in sorted(parts, key=lambda p: p["rows"]) if p["values"] is not None])
+    inside = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["train.num_ranks=1", "train.micro_batch_size=2",
+                                                            "rl.kl_coef=0.1", "placement.reference=in_actor"])
+    actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(inside), model)
+    try:
+        actor.setup(1)
+        out["in_actor"] = actor.call("reference_logprobs", batch)[0]["logprobs"]
+    finally:
+        actor.shutdown()
     assert out[1].shape == (5, batch.input_ids.shape[1] - 1)
     torch.testing.assert_close(out[2], out[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["in_actor"], out[1], atol=1e-5, rtol=0)
 
 
 def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_path):

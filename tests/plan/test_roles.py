@@ -75,4 +75,9 @@ def test_app_roles_pools_and_resources_per_rank():
     assert app_roles(hybrid) == {"all": ["actor", "reference", "rollout"]}
     dpo = _spec("dpo", "placement.pools=per_role")  # its reference lives in the actor's ranks
     assert app_roles(dpo) == {"actor": ["actor", "reference"]} and job_roles(dpo)["reference"].pool == "actor"
+    inside = _spec("ppo", "placement.pools=per_role", "rl.kl_coef=0.1", "placement.reference=in_actor",
+                   "placement.colocate=critic_reward", "rewards.models=[{path: a}]")  # no process of its own
+    assert app_roles(inside) == {"actor": ["actor", "reference"], "critic-reward": ["critic", "reward"],
+                                 "rollout": ["rollout"]} and job_roles(inside)["reference"].in_trainer
+    assert app_role_cpus(inside) == {"actor": 2, "critic-reward": 1, "rollout": 1}  # the actor's 2 ranks
     assert {r.pool for r in job_roles(_spec("ppo", "rl.kl_coef=0.1")).values()} == {None}  # 'any': elasticrl run
