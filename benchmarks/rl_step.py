@@ -13,7 +13,7 @@ line holds the ratios and the compute floor (the step's matmul FLOPs at the matm
 measured here, at 2048-square and at the step's own shapes).
 
   bash benchmarks/trl_env.sh            # once
-  .venv/bin/python benchmarks/rl_step.py [--rounds 3] [--steps 4] [--dtype bf16|fp32]
+  .venv/bin/python benchmarks/rl_step.py [--rounds 3] [--steps 4] [--dtype bf16|fp32] [--before KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def _run(cmd: list[str], first_step, env=None) -> dict:
             "peak_pss_gb": peak["pss"] / 1e9, "out": out}
 
 
-def _elasticrl(args, model_dir: Path) -> dict:
+def _elasticrl(args, model_dir: Path, sets: list[str] = ()) -> dict:
     out = Path(tempfile.mkdtemp(prefix="rl-step-"))
     metrics = out / "run" / "metrics.jsonl"
 
@@ -73,7 +73,8 @@ def _elasticrl(args, model_dir: Path) -> dict:
         return line is None and metrics.is_file() and '"step": 1,' in metrics.read_text()
 
     r = _run([str(ROOT / ".venv/bin/elasticrl"), "run", str(SPEC), "--output", str(out / "run"), "--set",
-              f"rl.num_steps={args.steps}", "--set", f"model.dtype={args.dtype}"], step1)
+              f"rl.num_steps={args.steps}", "--set", f"model.dtype={args.dtype}",
+              *(x for kv in sets for x in ("--set", kv))], step1)
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     steps = [x for x in rows if x["step"] > 1]
     return {"framework": "elasticrl", "s_per_step": statistics.median(x["time/step"] for x in steps),
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is not in s/step")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--before", action="append", default=[], metavar="KEY=VALUE",
+                    help="also run elasticrl with these overrides (a layout as it was before a change), interleaved")
     args = ap.parse_args()
     if not TRL_PYTHON.is_file():
         sys.exit("TRL's environment is missing: bash benchmarks/trl_env.sh")
@@ -136,12 +139,14 @@ def main() -> None:
     prompts = Path(tempfile.mkdtemp(prefix="rl-step-")) / "prompts.jsonl"
     texts = [format_prompt(tok, r["prompt"], spec.data.apply_chat_template) for r in records[:n]]
     prompts.write_text("".join(json.dumps({"prompt": t, "answer": r["answer"]}) + "\n" for t, r in zip(texts, records)))
-    results: dict[str, list] = {"elasticrl": [], "trl": []}
+    names = ["trl", "elasticrl"] + (["elasticrl_before"] if args.before else [])
+    results: dict[str, list] = {name: [] for name in names}
     for rnd in range(args.rounds):
-        for name in ("trl", "elasticrl") if rnd % 2 == 0 else ("elasticrl", "trl"):
+        for name in names if rnd % 2 == 0 else names[::-1]:
             load = os.getloadavg()[0]
-            res = _trl(args, model_dir, prompts) if name == "trl" else _elasticrl(args, model_dir)
-            res.update(round=rnd + 1, dtype=args.dtype, load_before=round(load, 2))
+            res = _trl(args, model_dir, prompts) if name == "trl" else _elasticrl(
+                args, model_dir, args.before if name == "elasticrl_before" else [])
+            res.update(framework=name, round=rnd + 1, dtype=args.dtype, load_before=round(load, 2))
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
             results[name].append(res)
     # the step's matmul work: generation 2 P per token, reference forward 2 P, train 6 P, per token
@@ -160,6 +165,8 @@ def main() -> None:
     print(json.dumps({"summary": True, "dtype": args.dtype, "s_per_step": med,
                       "speedup_vs_trl": round(med["trl"] / med["elasticrl"], 2),
                       "first_step_s": {k: statistics.median(r["first_step_s"] for r in v) for k, v in results.items()},
+                      "first_step_over_trl": round(statistics.median(r["first_step_s"] for r in results["elasticrl"])
+                                                   / statistics.median(r["first_step_s"] for r in results["trl"]), 2),
                       "peak_gb": {k: max(r["peak_gb"] for r in v) for k, v in results.items()},
                       "peak_pss_gb": {k: max(r["peak_pss_gb"] for r in v) for k, v in results.items()},
                       "pss_over_trl": round(max(r["peak_pss_gb"] for r in results["elasticrl"])

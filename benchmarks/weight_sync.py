@@ -20,7 +20,13 @@ that takes merged weights (``merged``: each sync moves every weight), over shm; 
 generation speed on the same prompts (the adapters cost compute on every token). The two
 alternate, --repeats rounds.
 
-  .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders|lora] [--size 50m] [--repeats 3]
+``--suite delta``: a bf16 trainer (SFT, --steps real optimizer steps at each --lrs learning rate)
+into a bf16 vLLM engine over shm (the sliced layout), each step synced twice: a delta sync
+(``rollout.delta_sync``: only the elements that changed since what the engine holds), then a
+full one of the same weights (which then changes nothing, so both write the same model). Per
+learning rate: the changed fraction, bytes and seconds of each (medians over the steps).
+
+  .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders|lora|delta] [--size 50m] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ def _memcpy(_worker, nbytes: int, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", default="transports", choices=("transports", "senders", "lora"))
+    ap.add_argument("--suite", default="transports", choices=("transports", "senders", "lora", "delta"))
     ap.add_argument("--size", default="50m", help="embedded world model preset")
     ap.add_argument("--buckets", default="16,64,256", help="bucket sizes in MiB (transports)")
     ap.add_argument("--transports", default=None, help="default: shm,shm_staged,broadcast,files for the "
@@ -47,11 +53,15 @@ def main() -> None:
     ap.add_argument("--modes", default="dense,packed", help="CPU engine modes to measure (transports)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lora-rank", type=int, default=16, help="adapter rank (lora)")
+    ap.add_argument("--lrs", default="1e-6,8e-5", help="learning rates (delta; 8e-5: examples/tiny_grpo.yaml's)")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per learning rate (delta)")
     args = ap.parse_args()
     if args.suite == "senders":
         return senders(args)
     if args.suite == "lora":
         return lora(args)
+    if args.suite == "delta":
+        return delta(args)
     args.transports = args.transports or "shm,shm_staged,broadcast,files"
 
     from elasticrl import backend
@@ -216,6 +226,52 @@ def lora(args) -> None:
         print(json.dumps(row), flush=True)
         headline.update({f"{how}/{k}": row[k] for k in ("gbytes", "seconds", "tokens_per_s")})
     print(json.dumps(headline))
+
+
+
+def delta(args) -> None:
+    import tempfile
+
+    from elasticrl.cluster import RoleGroup
+    from elasticrl.cluster.session import ray_session
+    from elasticrl.rollout.pool import RolloutPool
+    from elasticrl.spec import load_spec, spec_to_dict
+    from elasticrl.spec.schema import RaySpec
+    from elasticrl.trainers.sft import SFTWorker, resolve_paths
+
+    results = []
+    with ray_session(RaySpec(num_cpus=4)):
+        for lr in (float(x) for x in args.lrs.split(",")):
+            spec = load_spec({}, [f"world.model_size={args.size}", "model.dtype=bf16", "train.num_ranks=1",
+                                  "train.micro_batch_size=8", "train.global_batch_size=8", f"train.lr={lr}",
+                                  "train.warmup_ratio=0", "rollout.max_model_len=64", "rollout.delta_sync=true"])
+            paths = resolve_paths(spec)
+            pool = RolloutPool(paths["model"], spec.rollout, "bf16", seed=0)
+            trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
+            trainer.setup(args.steps + 1)
+            trainer.call("attach_rollout", pool.engines, pool.infos, "shm", 64, tempfile.mkdtemp())
+            trainer.call("sync_weights", 1)  # maps the engine's parameters; nothing changed yet
+            rows = []
+            for step in range(args.steps):
+                trainer.call("train_step", step)
+                d = trainer.call("sync_weights", 2 * step + 2)[0]
+                trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", False))
+                f = trainer.call("sync_weights", 2 * step + 3)[0]
+                trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", True))
+                rows.append((d, f))
+                print(json.dumps({"lr": lr, "step": step + 1, "changed_fraction": round(d["sync/delta_fraction"], 5),
+                                  "delta_bytes": round(d["sync/gbytes"] * 1e9), "delta_s": round(d["sync/seconds"], 4),
+                                  "full_bytes": round(f["sync/gbytes"] * 1e9), "full_s": round(f["sync/seconds"], 4)}),
+                      flush=True)
+            trainer.shutdown()
+            pool.shutdown()
+            results.append({"lr": lr, "changed_fraction": round(statistics.median(d["sync/delta_fraction"]
+                                                                                  for d, _ in rows), 5),
+                            "full_bytes": round(statistics.median(f["sync/gbytes"] for _, f in rows) * 1e9),
+                            "delta_bytes": round(statistics.median(d["sync/gbytes"] for d, _ in rows) * 1e9),
+                            "full_s": round(statistics.median(f["sync/seconds"] for _, f in rows), 4),
+                            "delta_s": round(statistics.median(d["sync/seconds"] for d, _ in rows), 4)})
+    print(json.dumps({"benchmark": "weight_sync_delta", "size": args.size, "transport": "shm", "results": results}))
 
 
 if __name__ == "__main__":

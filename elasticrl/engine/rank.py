@@ -174,7 +174,7 @@ class TrainRank:
         from elasticrl.weights.sync import WeightSender
 
         self.sender = WeightSender(self.engine, engines, infos, transport, bucket_mb * 2**20,
-                                   self.train.comm_timeout_s, files_dir, layout, adapters)
+                                   self.train.comm_timeout_s, files_dir, layout, adapters, self.spec.rollout.delta_sync)
         return self.sender.transport
 
     def sync_weights(self, version: int) -> dict:

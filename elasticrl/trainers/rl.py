@@ -122,14 +122,17 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
                 spec.rewards, models=[RewardModelSpec(path=path, weight=1.0)]))
             summary["reward_model"] = path
         paths = resolve_rl_paths(spec)
+        rl = spec.rl
+        total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
+            // spec.train.global_batch_size
+        # the roles start (engines first) while this thread reads the data and loads the tokenizer; should
+        # that fail, Ray's teardown ends what they started
+        starting = in_background(Roles, spec, paths, total_updates, resume)
         prompts = read_records(paths["prompts"], prompt_answer(spec.data))
         evals = read_records(paths["eval"], prompt_answer(spec.data))
         tok = load_tokenizer(paths["model"], spec.model.trust_remote_code, spec.data.chat_template)
         prompt_ids, eval_ids = (Encoded(records, lambda r: _encode(spec, tok, r)) for records in (prompts, evals))
-        rl = spec.rl
-        total_updates = rl.num_steps * rl.epochs * rl.prompts_per_step * rl.samples_per_prompt \
-            // spec.train.global_batch_size
-        roles = Roles(spec, paths, total_updates, resume)
+        roles = starting.result()
         summary["placement"] = roles.layout()
         summary["startup"] = up = {"launch_to_ray_s": ray_up and round(ray_up, 1), **roles.startup,
                                    "launch_to_roles_s": round(backend.process_age_s() or 0.0, 1)}

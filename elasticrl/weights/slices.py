@@ -216,14 +216,45 @@ def source_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.as_strided(piece.shape, piece.src_strides, t.storage_offset() + piece.src_off)
 
 
-def write_piece(arena, piece: Piece, t: torch.Tensor) -> int:
-    """Copy a piece straight into a worker's parameters mapped here (``plan.Arena``)."""
+def write_piece(arena, piece: Piece, t: torch.Tensor, delta: "Delta | None" = None) -> int:
+    """Copy a piece straight into a worker's parameters mapped here (``plan.Arena``); with a
+    ``delta``, only its elements that changed."""
     dst = arena.view(piece.param, piece.dst_off, piece.shape, piece.dst_strides, piece.dtype)
     if piece.fill is not None:
         dst.fill_(piece.fill)
         return 0
+    if delta is not None:
+        return delta.write(dst, source_view(t, piece))
     dst.copy_(source_view(t, piece))
     return piece.nbytes
+
+
+class Delta:
+    """Delta weight sync where the sender reaches the engine's parameters (``shm``): an element
+    is written only where the trainer's value, cast to the engine's dtype, differs from the one
+    the engine holds, bit for bit; a tensor whose changed elements, as (int32 index, value)
+    pairs, would take more bytes than the whole tensor is copied whole. Comparing with what the
+    engine holds, not with a remembered copy, makes every sync exact: after a restart or a
+    recovery as after any other. Counts the elements seen and changed."""
+
+    BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    def __init__(self):
+        self.changed = self.total = 0
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """``src`` into ``dst`` where they differ; the bytes a message of the change would hold."""
+        new = src.to(dst.dtype)
+        bits = self.BITS[dst.element_size()]
+        changed = new.view(bits) != dst.view(bits)
+        n, size = int(changed.sum()), dst.element_size()
+        self.changed, self.total = self.changed + n, self.total + dst.numel()
+        if n * (size + 4) >= dst.numel() * size:
+            dst.copy_(new)
+            return dst.numel() * size
+        if n:
+            dst[changed] = new[changed]
+        return n * (size + 4)
 
 
 class Outbox:

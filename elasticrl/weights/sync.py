@@ -214,7 +214,9 @@ class WeightSender:
     """Held by every trainer rank, with every engine; built collectively (``attach_rollout``)."""
 
     def __init__(self, ds_engine, engines: list, engine_infos: list[dict], transport: str, bucket_bytes: int,
-                 timeout_s: int, files_dir: str | None = None, layout: str = "auto", adapters: bool = False):
+                 timeout_s: int, files_dir: str | None = None, layout: str = "auto", adapters: bool = False,
+                 delta: bool = False):
+        """``delta``: over ``shm``, write only the elements that changed (``slices.Delta``)."""
         self.engines = engines
         self.adapters = _peft_config(ds_engine) if adapters else None
         self.infos = engine_infos
@@ -231,6 +233,8 @@ class WeightSender:
                              f"choose auto or one of {TRANSPORTS}")
         self.layouts = trainer_layouts(ds_engine)
         self.layout = layout
+        self.delta = delta and self.transport == "shm" and not self.adapters
+        self._delta: slices.Delta | None = None  # this sync's counts
         self.tp = max(1, ds_engine.autotp_size())
         # decided at the first sync: it asks the engines, and failures there are the pool's to handle
         self.sliced = self.plans = None
@@ -309,24 +313,28 @@ class WeightSender:
                 self.sliced = False
         if self.rank == 0:
             self._incarnations = incarnations
-        sent = 0
+        sent, self._delta = 0, slices.Delta() if self.delta else None
         try:
             sent = self._sync_adapters(ds_engine) if self.adapters else \
                 self._sync_sliced(ds_engine) if self.sliced else self._sync_gathered(ds_engine)
         except Exception as exc:  # noqa: BLE001 - raised by _agree, on every rank
             error = exc
-        by_rank = [_ints([0]) for _ in range(self.world)]
-        dist.all_gather(by_rank, _ints([sent if error is None else -1]))  # every write is in before finish
-        _raise_if_failed(error, [int(b) for b in by_rank])
+        counts = (self._delta.changed, self._delta.total) if self._delta else (0, 0)
+        by_rank = [_ints([0, 0, 0]) for _ in range(self.world)]
+        dist.all_gather(by_rank, _ints([sent if error is None else -1, *counts]))  # every write is in before finish
+        _raise_if_failed(error, [int(b[0]) for b in by_rank])
         if self.rank != 0:
             return {}
         ray.get([e.finish_sync.remote(version) for e in self.engines])
         seconds = time.time() - t0
-        total = sum(int(b) for b in by_rank)
+        total = sum(int(b[0]) for b in by_rank)
         stats = {"sync/seconds": seconds, "sync/gbytes": total / 1e9, "sync/transport": self.transport,
                  "sync/gbps": total / 1e9 / seconds if seconds else 0.0, "sync/version": version,
                  "sync/layout": "adapters" if self.adapters else "sliced" if self.sliced else "gathered",
-                 "sync/sent_gbytes_by_rank": [int(b) / 1e9 for b in by_rank]}
+                 "sync/sent_gbytes_by_rank": [int(b[0]) / 1e9 for b in by_rank]}
+        seen = sum(int(b[2]) for b in by_rank)
+        if seen:  # delta: the share of the elements written that changed
+            stats["sync/delta_fraction"] = sum(int(b[1]) for b in by_rank) / seen
         if self.transport == "shm":
             stats["sync/shm_mode"] = self.shm_mode  # "direct", or "staged" when plans were missing
         return stats
@@ -359,7 +367,8 @@ class WeightSender:
             for piece in pieces:
                 by_name.setdefault(piece.name, []).append((arenas[e][w], piece))
         self.shm_mode = "direct"
-        sent = _each_piece(iter_local_params(ds_engine), by_name, slices.write_piece)
+        sent = _each_piece(iter_local_params(ds_engine), by_name,
+                           lambda arena, piece, t: slices.write_piece(arena, piece, t, self._delta))
         backend.synchronize()
         return sent
 
@@ -374,11 +383,12 @@ class WeightSender:
         send = {"shm": self._send_shm, "ipc": self._send_staged, "shm_staged": self._send_staged,
                 "broadcast": self._send_broadcast, "files": self._send_files}[self.transport]
         try:
-            send(params, size)
+            written = send(params, size)
         finally:
             for _ in params:  # the other ranks' gathers still need this one (ZeRO-3, AutoTP)
                 pass
-        return params.nbytes * len(self.engines)  # what reached the engines, as the sliced path counts
+        # what reached the engines, as the sliced path counts (written straight into them: those bytes)
+        return params.nbytes * len(self.engines) if written is None else written
 
     def _sync_adapters(self, ds_engine) -> int:
         """The adapters only, in one bucket from rank 0, which each engine loads as its adapter."""
@@ -400,7 +410,8 @@ class WeightSender:
         return self._arenas
 
     # --- gathered: direct into the engines' parameters, else staged ----------------------
-    def _send_shm(self, params, size: int) -> None:
+    def _send_shm(self, params, size: int) -> int | None:
+        """Straight into the engines' parameters (the bytes written), else staged (None)."""
         if self.plans is None:
             self.plans = [ray.get(e.copy_plans.remote()) for e in self.engines]
         if any(n for workers in self.plans for w in workers for n in w["unplanned"]):
@@ -409,6 +420,7 @@ class WeightSender:
         self.shm_mode = "direct"
         arenas = self._open_arenas(range(len(self.engines)))
         targets = [(arena, w["plans"]) for e, workers in enumerate(self.plans) for arena, w in zip(arenas[e], workers)]
+        written = 0
         for name, t in params:
             t = t.contiguous()
             for arena, plans in targets:
@@ -416,7 +428,8 @@ class WeightSender:
                 if plan is None:
                     raise ValueError(f"weight sync: trainer parameter {name!r} is not in the rollout engine's "
                                      "checkpoint; the engines must start from the trainer's model")
-                replay(plan, t, arena)
+                written += replay(plan, t, arena, self._delta)
+        return written
 
     def _send_staged(self, params, size: int, adapter: dict | None = None) -> None:
         if not self._buffers or self._buffers[0][1].numel() < size:

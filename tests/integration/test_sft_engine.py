@@ -389,3 +389,38 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
 
     prompts = _chat_prompts(final, ("12+7=", "30-4="))
     _greedy_as_vllm(with_peft, prompts, _vllm_greedy(prompts, [final])[0])
+
+
+def test_delta_syncs_leave_the_engine_holding_what_a_full_sync_would_bit_for_bit(ray_cluster, tmp_path):
+    """rollout.delta_sync over shm into a vLLM engine, bf16 weights, real optimizer steps at lr
+    1e-6: the first sync (the engine holds the checkpoint it loaded, the trainer the same) writes
+    nothing; each later one a small share of the elements, as fewer bytes than the model; after
+    each, a full sync of the same weights changes nothing in the engine, bit for bit."""
+    from elasticrl.rollout.pool import RolloutPool
+
+    spec = _spec("model.dtype=bf16", "train.num_ranks=1", "train.lr=1e-6", "rollout.delta_sync=true",
+                 "rollout.max_model_len=64")
+    paths = resolve_paths(spec)
+    trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
+    pool = RolloutPool(paths["model"], spec.rollout, "bf16", seed=0)
+    synced = []
+    try:
+        trainer.setup(10)
+        trainer.call("attach_rollout", pool.engines, pool.infos, "shm", 64, str(tmp_path))
+        for step in range(6):
+            if step:
+                trainer.call("train_step", step - 1)
+            delta = trainer.call("sync_weights", 2 * step + 1)[0]
+            held = pool.call("worker_weights")
+            trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", False))
+            full = trainer.call("sync_weights", 2 * step + 2)[0]
+            trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", True))
+            assert pool.call("worker_weights") == held, f"step {step}: the delta sync left other weights"
+            synced.append((delta, full))
+    finally:
+        trainer.shutdown()
+        pool.shutdown()
+    first, model = synced[0][0], synced[0][1]["sync/gbytes"]
+    assert first["sync/delta_fraction"] == 0 and first["sync/gbytes"] == 0 and "sync/delta_fraction" not in synced[0][1]
+    for delta, full in synced[1:]:
+        assert 0 < delta["sync/delta_fraction"] < 0.5 and 0 < delta["sync/gbytes"] < model == full["sync/gbytes"], delta

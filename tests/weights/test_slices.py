@@ -112,3 +112,24 @@ def test_engines_go_to_replicas_biggest_first_balancing_bytes():
     assert assign([10, 10, 10], 2) == [0, 1, 0]
     # 30 (engine 1) -> replica 0; 20 -> 1; 10 -> 1 (20 < 30); 5 -> 0 (30 = 30, the lower)
     assert assign([5, 30, 20, 10], 2) == [0, 0, 1, 1]
+
+
+def test_a_delta_writes_the_changed_elements_bit_for_bit_or_the_whole_tensor_when_cheaper():
+    """bf16 destination seen through a transposed view (as a plan's strided piece is), fp32
+    source: 3 of 24 elements differ after the cast (one only in sign: -0.0 against 0.0), which
+    as (int32 index, bf16 value) pairs is 3 x 6 = 18 bytes against 48; 8 changed would be
+    48 bytes, no smaller than the tensor: it goes whole."""
+    from elasticrl.weights.slices import Delta
+
+    held = torch.zeros(6, 4, dtype=torch.bfloat16)
+    dst = held.t()  # 4 x 6, strides (1, 4)
+    src = torch.zeros(4, 6)
+    src[0, 1], src[2, 5], src[3, 0] = 1.5, -2.0, -0.0
+    delta = Delta()
+    assert delta.write(dst, src) == 18 and (delta.changed, delta.total) == (3, 24)
+    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert held[5, 2].item() == -2.0 and str(held[0, 3].item()) == "-0.0"
+    src[:, :2] = 7.0  # 8 changed now (the 1.5 among them), 8 x 6 = 48 bytes: whole
+    assert delta.write(dst, src) == 48 and (delta.changed, delta.total) == (3 + 8, 48)
+    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert delta.write(dst, src) == 0 and delta.changed == 11  # nothing left to change
