@@ -5,7 +5,8 @@ update treats the policy before it as the proximal one, with log-prob o_t. Their
 rho_t = exp(o_t - b_t) weighs the token's clipped surrogate (decoupled PPO: the clip is
 around the proximal policy, the weight corrects for the behaviour one):
   tis       w_t = min(rho_t, high)                       (token-level truncated IS)
-  mis       w_t = rho_t if low <= rho_t <= high, else 0  (masked IS: the token leaves the loss)
+  mis       w_t = rho_t if low <= rho_t <= high, else 0  (masked IS; the token still counts in a
+                                                         token mean's denominator)
   seq_mask  w_t = 1, or 0 on every token of a response whose geometric-mean ratio
             exp(mean_t log rho_t) lies outside [low, high] (a length-fair sequence test)
   none      w_t = 1
@@ -18,8 +19,6 @@ from __future__ import annotations
 import torch
 
 from elasticrl.algorithms.kl import k3
-
-MODES = ("none", "tis", "mis", "seq_mask")
 
 
 def correction_mode(mode: str, off_policy: bool, gpu: bool) -> str:
@@ -46,7 +45,7 @@ def importance_weights(old_bt: torch.Tensor, behaviour_bt: torch.Tensor, mask_bt
     elif mode == "none":
         weights = None
     else:
-        raise ValueError(f"rl.is_correction: unknown mode {mode!r}; known: auto, {', '.join(MODES)}")
+        raise ValueError(f"rl.is_correction: unknown mode {mode!r}")  # (the spec's Literal lists them)
     n = mask.sum().clamp(min=1)
     stats = {"is/ratio_mean": (rho * mask).sum().item() / n.item(),
              "is/clipped_frac": ((rho > high) & mask).sum().item() / n.item(),

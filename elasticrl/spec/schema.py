@@ -291,8 +291,9 @@ class RLSpec:
                              "trains; a fully async sample with an older token starts over.", 1, min=1)
     is_correction: Literal["auto", "none", "tis", "mis", "seq_mask"] = doc(
         "Weighting of each token by rho = exp(trainer's log-prob before the update - the engine's): 'tis' "
-        "min(rho, rl.is_threshold); 'mis' rho inside [rl.is_threshold_low, rl.is_threshold], else the token "
-        "leaves the loss; 'seq_mask' a response whose geometric-mean rho is outside that range leaves the loss; "
+        "min(rho, rl.is_threshold); 'mis' rho inside [rl.is_threshold_low, rl.is_threshold], else weight 0 (the "
+        "token still counts in a token mean's denominator); 'seq_mask' weight 0 for every token of a response "
+        "whose geometric-mean rho is outside that range; "
         "'auto': tis with async rollouts or on GPUs (whose kernels differ from the trainer's), else none. "
         "is/* and mismatch/kl are reported in every mode.", "auto")
     is_threshold: float = doc("Upper threshold of rl.is_correction (tis's cap).", 2.0, min=1)

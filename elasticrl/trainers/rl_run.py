@@ -209,7 +209,7 @@ class Run:
     shown: list = field(default_factory=list)        # the last evaluation's first greedy episodes, for the log
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
     copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
-    stream: object = None                            # rl.fully_async: the groups in flight (rollout.stream)
+    stream: Stream | None = None                     # rl.fully_async: the groups in flight (rollout.stream)
     segment: Future | None = None                    # what rolls out in a driver thread while the trainers train:
     #                                                  the stream's rounds, or the next step's episodes (async)
     pss_gb: float | None = None                      # the process tree's PSS after the run's first step
