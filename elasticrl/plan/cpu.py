@@ -10,8 +10,11 @@ in_actor``: one process fewer importing the stack and holding its memory). Rollo
 of one thread each, one per core, as far as memory allows (vLLM's CPU decode at small
 batches scales better over engines than over threads: on the step benchmark's 44m model,
 two engines of one thread rolled out a step in 5.0 s where one engine of two took 9.0; see
-benchmarks/README.md). ZeRO stays as the spec says: for one rank, stage 0 and 2 trained
-alike in speed (measured 10.7-12.0 s against 10.6-11.1 s per step). KV cache: each engine's
+benchmarks/README.md). One rank trains at ZeRO stage 0 (unless the spec sets a stage or an
+offload): stage 2 partitions nothing there, yet its first step sets up its buffers (the step
+benchmark in bf16 on a 2-core AMX CPU: step 1's update 10.8 s at stage 2 against 7.6 at stage
+0, later ones 5.9-6.4 against 5.7-5.9; earlier, on an AMD CPU, 10.7-12.0 s against 10.6-11.1
+per step). KV cache: each engine's
 holds its share of a step's sequences at full length (``kv_cache_gib``), not vLLM's 1 GiB
 floor of whole GiB: the step benchmark's two engines need 0.22 GiB each in fp32 (0.28 with
 the margin), and a cache of 0.25 GiB generated as fast as one of 1 GiB (20.8 s against
@@ -112,6 +115,9 @@ def plan_cpu(spec: JobSpec, cores: int, memory_gb: float | None, pinned: dict, v
         engine_cores = engines * r.tp_size * out.get("rollout.cpus_per_engine", r.cpus_per_engine) if overlap else 0
     if "train.threads" not in pinned:
         out["train.threads"] = max(1, (cores - engine_cores) // ranks)
+    if ranks == 1 and t.tp_size == 1 and "train.zero_stage" not in pinned and not (
+            t.offload_optimizer or t.offload_params):  # one rank: ZeRO partitions nothing, and costs a first step
+        out["train.zero_stage"] = 0
     if "reference" in roles and "placement.reference" not in pinned and ALGORITHMS[spec.algorithm].family == "rl":
         out["placement.reference"] = "in_actor"  # its forward takes the same cores: one process fewer to start
     return {k: v for k, v in out.items() if v != _current(spec, k)}

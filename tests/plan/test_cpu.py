@@ -21,18 +21,19 @@ def test_a_grpo_spec_without_a_layout_gets_one_rank_with_every_core_and_an_engin
     # 2 cores, 20 GB: 1 rank x 2 threads; engines min(2 cores, 16 prompts) = 2, 2 x (2 + 0.28) <= 10 GB,
     # each of 2 // 2 = 1 thread (1 is the spec's default already, so not listed)
     # the benchmark's KL (0.04) needs a reference: a frozen copy in the actor's process
+    # one rank: ZeRO stage 0 (stage 2 partitions nothing on one rank)
     assert _plan(BENCH) == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2,
-                            "rollout.kv_cache_gib": 9 / 32, "placement.reference": "in_actor"}
+                            "rollout.kv_cache_gib": 9 / 32, "placement.reference": "in_actor", "train.zero_stage": 0}
     # 16 cores, 64 GB: 16 engines (4 sequences each: 0.0342 -> 2/32 GiB) need 16 x 2.0625 = 33 > 32 GB;
     # 15 (5 sequences each: 0.0427 -> 2/32) need 30.9, each of 16 // 15 = 1 thread
     assert _plan(BENCH, cores=16, memory_gb=64) == {"train.num_ranks": 1, "train.threads": 16,
                                                     "rollout.num_engines": 15, "rollout.kv_cache_gib": 2 / 32,
-                                                    "placement.reference": "in_actor"}
+                                                    "placement.reference": "in_actor", "train.zero_stage": 0}
     # 8 cores, 7 GB: 2 engines need 2 x 2.28 > 3.5; 1 engine of 8 threads holds all 64 sequences:
     # 1.25 x 64 x 256 x 28672 / 2**30 = 0.547 -> 18/32 GiB
     assert _plan(BENCH, cores=8, memory_gb=7) == {"train.num_ranks": 1, "train.threads": 8,
                                                   "rollout.cpus_per_engine": 8, "rollout.kv_cache_gib": 18 / 32,
-                                                  "placement.reference": "in_actor"}
+                                                  "placement.reference": "in_actor", "train.zero_stage": 0}
     # bf16 halves the bytes: 0.1367 -> 5/32 GiB
     raw = read_raw(BENCH, [])
     assert plan_cpu(load_spec(raw, check_paths=False), 2, 20.0, explicit_fields(raw), value_bytes=2)[
@@ -51,8 +52,8 @@ def test_a_grpo_spec_without_a_layout_gets_one_rank_with_every_core_and_an_engin
 def test_async_rollouts_split_the_cores_between_the_trainer_and_the_engines():
     # they run at once: half the cores to the engines. 2 cores -> min(1, 16 prompts) = 1 engine (the default,
     # not listed) of 1 thread, 2 - 1 = 1 for the rank; the engine's KV cache holds all 64 sequences: 18/32 GiB
-    assert _plan(BENCH, ["rl.async_rollout=true", "rl.kl_coef=0"]) == {"train.num_ranks": 1, "train.threads": 1,
-                                                                       "rollout.kv_cache_gib": 18 / 32}
+    assert _plan(BENCH, ["rl.async_rollout=true", "rl.kl_coef=0"]) == {
+        "train.num_ranks": 1, "train.threads": 1, "rollout.kv_cache_gib": 18 / 32, "train.zero_stage": 0}
     # 16 cores, 64 GB: 8 engines of 1 thread, 16 - 8 = 8 threads for the rank
     got = _plan(BENCH, ["rl.async_rollout=true"], cores=16, memory_gb=64)
     assert (got["train.threads"], got["rollout.num_engines"]) == (8, 8) and "rollout.cpus_per_engine" not in got
@@ -68,7 +69,10 @@ def test_fields_the_user_set_are_kept():
     # 4 cores, 20 GB: min(4 cores, 16 prompts) = 4 engines of 16 sequences (0.137 -> 5/32 GiB)
     assert _plan(BENCH, ["train.threads=1", "rollout.cpus_per_engine=1"], cores=4) == {
         "train.num_ranks": 1, "rollout.num_engines": 4, "rollout.kv_cache_gib": 5 / 32,
-        "placement.reference": "in_actor"}
+        "placement.reference": "in_actor", "train.zero_stage": 0}
+    # a stage or an offload asked: the stage stays
+    assert "train.zero_stage" not in _plan(BENCH, ["train.zero_stage=2"])
+    assert "train.zero_stage" not in _plan(BENCH, ["train.offload_optimizer=true"])
     # AutoTP asks for its ranks
     assert "train.num_ranks" not in _plan(BENCH, ["train.tp_size=2", "train.num_ranks=2"])
 
@@ -86,7 +90,7 @@ def test_run_applies_the_layout(monkeypatch):
     t, r = job.train, job.rollout
     assert (t.num_ranks, t.threads, r.num_engines, r.cpus_per_engine, job.rl.num_steps) == (1, 2, 2, 1, 2)
     assert layout == {"train.num_ranks": 1, "train.threads": 2, "rollout.num_engines": 2,
-                      "rollout.kv_cache_gib": 9 / 32, "placement.reference": "in_actor"}
+                      "rollout.kv_cache_gib": 9 / 32, "placement.reference": "in_actor", "train.zero_stage": 0}
     assert job.placement.reference == "in_actor"
     # ray.num_cpus caps the cores the layout counts
     job, _ = cpu_layout(BENCH, ["ray.num_cpus=1"], load_spec(BENCH, ["ray.num_cpus=1"]))
