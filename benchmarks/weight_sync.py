@@ -21,10 +21,11 @@ generation speed on the same prompts (the adapters cost compute on every token).
 alternate, --repeats rounds.
 
 ``--suite delta``: a bf16 trainer (SFT, --steps real optimizer steps at each --lrs learning rate)
-into a bf16 vLLM engine over shm (the sliced layout), each step synced twice: a delta sync
-(``rollout.delta_sync``: only the elements that changed since what the engine holds), then a
-full one of the same weights (which then changes nothing, so both write the same model). Per
-learning rate: the changed fraction, bytes and seconds of each (medians over the steps).
+into a bf16 vLLM engine over each of --transports (default shm, ipc, broadcast, files; a sender
+each, kept across the steps), each step synced twice per transport: a delta sync
+(``rollout.delta_sync``: only the elements that changed since what that sender sent, or over shm
+since what the engine holds), then a full one of the same weights. Per learning rate and
+transport: the changed fraction, bytes and seconds of each (medians over the steps).
 
   .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders|lora|delta] [--size 50m] [--repeats 3]
 """
@@ -229,6 +230,30 @@ def lora(args) -> None:
 
 
 
+def _use(w, transport: str):
+    """Make the trainer rank's sender for ``transport`` the current one (each keeps what it sent)."""
+    w.core.senders = getattr(w.core, "senders", {})
+    if w.core.sender is not None:
+        w.core.senders[w.core.sender.transport] = w.core.sender
+    w.core.sender = w.core.senders.get(transport)
+    return w.core.sender is not None
+
+
+def _sync(w, transport: str, version: int, delta: bool) -> dict:
+    _use(w, transport)
+    w.core.sender.delta = delta
+    return w.sync_weights(version)
+
+
+def _delta_row(rows: list[tuple[dict, dict]]) -> dict:
+    """Medians over (delta sync, full sync) stats."""
+    def median(k: int, key: str) -> float:
+        return statistics.median(pair[k][key] for pair in rows)
+    return {"changed_fraction": round(median(0, "sync/delta_fraction"), 5),
+            "full_bytes": round(median(1, "sync/gbytes") * 1e9), "delta_bytes": round(median(0, "sync/gbytes") * 1e9),
+            "full_s": round(median(1, "sync/seconds"), 4), "delta_s": round(median(0, "sync/seconds"), 4)}
+
+
 def delta(args) -> None:
     import tempfile
 
@@ -239,6 +264,7 @@ def delta(args) -> None:
     from elasticrl.spec.schema import RaySpec
     from elasticrl.trainers.sft import SFTWorker, resolve_paths
 
+    transports = (args.transports or "shm,ipc,broadcast,files").split(",")
     results = []
     with ray_session(RaySpec(num_cpus=4)):
         for lr in (float(x) for x in args.lrs.split(",")):
@@ -249,29 +275,22 @@ def delta(args) -> None:
             pool = RolloutPool(paths["model"], spec.rollout, "bf16", seed=0)
             trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
             trainer.setup(args.steps + 1)
-            trainer.call("attach_rollout", pool.engines, pool.infos, "shm", 64, tempfile.mkdtemp())
-            trainer.call("sync_weights", 1)  # maps the engine's parameters; nothing changed yet
-            rows = []
+            version, rows = 0, {t: [] for t in transports}
+            for t in transports:  # a sender each, kept: the first sync maps the engine or sends whole
+                trainer.call("__ray_call__", _use, t)
+                trainer.call("attach_rollout", pool.engines, pool.infos, t, 64, tempfile.mkdtemp())
+                trainer.call("__ray_call__", _sync, t, version := version + 1, True)
             for step in range(args.steps):
                 trainer.call("train_step", step)
-                d = trainer.call("sync_weights", 2 * step + 2)[0]
-                trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", False))
-                f = trainer.call("sync_weights", 2 * step + 3)[0]
-                trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", True))
-                rows.append((d, f))
-                print(json.dumps({"lr": lr, "step": step + 1, "changed_fraction": round(d["sync/delta_fraction"], 5),
-                                  "delta_bytes": round(d["sync/gbytes"] * 1e9), "delta_s": round(d["sync/seconds"], 4),
-                                  "full_bytes": round(f["sync/gbytes"] * 1e9), "full_s": round(f["sync/seconds"], 4)}),
-                      flush=True)
+                for t in transports:  # each delta against what that sender sent the step before
+                    d = trainer.call("__ray_call__", _sync, t, version := version + 1, True)[0]
+                    f = trainer.call("__ray_call__", _sync, t, version := version + 1, False)[0]
+                    rows[t].append((d, f))
+                    print(json.dumps({"lr": lr, "step": step + 1, "transport": t, **_delta_row([(d, f)])}), flush=True)
             trainer.shutdown()
             pool.shutdown()
-            results.append({"lr": lr, "changed_fraction": round(statistics.median(d["sync/delta_fraction"]
-                                                                                  for d, _ in rows), 5),
-                            "full_bytes": round(statistics.median(f["sync/gbytes"] for _, f in rows) * 1e9),
-                            "delta_bytes": round(statistics.median(d["sync/gbytes"] for d, _ in rows) * 1e9),
-                            "full_s": round(statistics.median(f["sync/seconds"] for _, f in rows), 4),
-                            "delta_s": round(statistics.median(d["sync/seconds"] for d, _ in rows), 4)})
-    print(json.dumps({"benchmark": "weight_sync_delta", "size": args.size, "transport": "shm", "results": results}))
+            results += [{"lr": lr, "transport": t, **_delta_row(rows[t])} for t in transports]
+    print(json.dumps({"benchmark": "weight_sync_delta", "size": args.size, "results": results}))
 
 
 if __name__ == "__main__":

@@ -126,8 +126,8 @@ def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
     elif args.transport == "ipc":  # the sender's buffers, a message per bucket, as Ray carries them
         inboxes, acks = queues
 
-        def load(worker, sender, slot, handle, bucket_):
-            inboxes[worker].put((sender, slot, handle, bucket_))
+        def load(worker, sender, slot, handle, bucket_, counts=None):
+            inboxes[worker].put((sender, slot, handle, bucket_, counts))
             return worker
 
         boxes = [slices.SharedOutbox(load, rank, w, pieces[w][rank], bucket, device,
@@ -185,10 +185,10 @@ def _receiver(rank: int, args, port: int, arena_queue, queues, results) -> None:
             if message is None:
                 done += 1
                 continue
-            sender, slot, handle, bucket = message
+            sender, slot, handle, bucket, counts = message
             if mapped.get((sender, slot), (None,))[0] != handle:
                 mapped[(sender, slot)] = (handle, shm.open_shared(handle))
-            receive.copy_pieces(params, mapped[(sender, slot)][1], bucket)
+            receive.copy_pieces(params, mapped[(sender, slot)][1], bucket, counts)
             backend.synchronize()
             acks[sender][rank].put(True)
     else:

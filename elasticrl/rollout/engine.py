@@ -162,14 +162,15 @@ class RolloutEngine:
         """What each worker receives from which sender at every sliced broadcast sync."""
         self.llm.collective_rpc("erl_expect", args=(schedules,))
 
-    def load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list) -> int:
+    def load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list,
+                    counts: list | None = None) -> int:
         """One bucket of a sliced ``ipc`` sync into worker ``worker`` (senders take turns)."""
         with self._setup_lock:
-            return sum(self.llm.collective_rpc("erl_load_pieces", args=(worker, sender, slot, handle, bucket)))
+            return sum(self.llm.collective_rpc("erl_load_pieces", args=(worker, sender, slot, handle, bucket, counts)))
 
-    def receive(self) -> int:
+    def receive(self, delta: bool = False) -> int:
         """One sliced broadcast sync: every worker takes its buckets from its senders."""
-        return sum(self.llm.collective_rpc("erl_receive"))
+        return sum(self.llm.collective_rpc("erl_receive", args=(delta,)))
 
     def release_shm(self, path: str) -> None:
         self.llm.collective_rpc("erl_release_shm", args=(path,))
@@ -187,8 +188,8 @@ class RolloutEngine:
     def load_files(self, folder: str, adapter: dict | None = None) -> int:
         return self.llm.collective_rpc("erl_load_files", args=(folder, adapter))[0]
 
-    def worker_weights(self) -> list[dict]:
-        return self.llm.collective_rpc("erl_state_dict")
+    def worker_weights(self, digest: bool = False) -> list[dict]:
+        return self.llm.collective_rpc("erl_state_dict", args=(digest,))
 
     # --- hybrid engine ------------------------------------------------------------------
     def sleep(self) -> dict:

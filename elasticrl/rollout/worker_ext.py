@@ -143,14 +143,14 @@ class WeightReceiver:
         rank = self._erl_tp_rank()
         self._erl_schedule = revive(schedules[rank] if rank in schedules else schedules[str(rank)])
 
-    def erl_receive(self) -> int:
+    def erl_receive(self, delta: bool = False) -> int:
         """Receive one sliced sync from the senders (``receive.receive_sliced``)."""
         params = [p for _, p in self._erl_model().named_parameters()]
         need = max((n for _, _, n in self._erl_schedule[0]), default=0)
         if getattr(self, "_erl_inbox", None) is None or self._erl_inbox.numel() < need:
             self._erl_inbox = torch.empty(need, dtype=torch.uint8, device=params[0].device)
         try:
-            return receive.receive_sliced(self._erl_group, params, self._erl_schedule, self._erl_inbox)
+            return receive.receive_sliced(self._erl_group, params, self._erl_schedule, self._erl_inbox, delta)
         except BaseException:
             # close this worker's side: a sender blocked on it gets "connection closed" at once
             # instead of waiting out the group's timeout
@@ -160,10 +160,12 @@ class WeightReceiver:
             gc.collect()
             raise
 
-    def erl_load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list) -> int:
+    def erl_load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list,
+                        counts: list | None = None) -> int:
         """One bucket of a sliced ``ipc`` sync for worker ``worker`` (the others return): copy its
-        pieces out of the sender's shared buffer (mapped once per sender and slot) into the
-        parameters, and finish before returning (the sender refills the buffer after)."""
+        pieces (``counts``: packed as deltas) out of the sender's shared buffer (mapped once per
+        sender and slot) into the parameters, and finish before returning (the sender refills
+        the buffer after)."""
         from elasticrl import backend
         from elasticrl.weights.slices import revive_bucket
 
@@ -176,7 +178,7 @@ class WeightReceiver:
         if key not in mapped or mapped[key][0] != plain:
             mapped[key] = (plain, shm.open_shared(plain))
         params = [p for _, p in self._erl_model().named_parameters()]
-        n = receive.copy_pieces(params, mapped[key][1], revive_bucket(bucket))
+        n = receive.copy_pieces(params, mapped[key][1], revive_bucket(bucket), counts)
         backend.synchronize()
         return n
 
@@ -214,13 +216,21 @@ class WeightReceiver:
         self._erl_group = None
 
     def erl_load_files(self, folder: str, adapter: dict | None = None) -> int:
-        from elasticrl.weights.shards import iter_tensors
+        """A synced folder: whole tensors go through ``load_weights``, deltas through the copy plans."""
+        params = [p for _, p in self._erl_model().named_parameters()]
+        plans = getattr(self, "_erl_plans", None)
+        return self._erl_load(receive.from_files(folder, params, plans and plans["plans"]), adapter)
 
-        return self._erl_load(list(iter_tensors(folder)), adapter)
+    def erl_state_dict(self, digest: bool = False) -> dict[str, list | str]:
+        """This worker's weights, small models only (tests compare slices with the trainer's), or
+        (``digest``) a SHA-256 of each one's bytes (tests compare them bit for bit)."""
+        import hashlib
 
-    def erl_state_dict(self) -> dict[str, list]:
-        """This worker's weights, small models only (tests compare slices with the trainer's)."""
-        return {n: p.detach().cpu().float().tolist() for n, p in self._erl_model().named_parameters()}
+        params = self._erl_model().named_parameters()
+        if digest:
+            return {n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                    for n, p in params}
+        return {n: p.detach().cpu().float().tolist() for n, p in params}
 
 
 def _plain(handle):

@@ -62,9 +62,7 @@ class Piece(NamedTuple):
 
 
 def _itemsize(dtype: str) -> int:
-    from elasticrl.weights.shm import DTYPES
-
-    return DTYPES[dtype].itemsize
+    return _dtype(dtype).itemsize
 
 
 def copy_nbytes(copy: Copy) -> int:
@@ -230,89 +228,215 @@ def write_piece(arena, piece: Piece, t: torch.Tensor, delta: "Delta | None" = No
 
 
 class Delta:
-    """Delta weight sync where the sender reaches the engine's parameters (``shm``): an element
-    is written only where the trainer's value, cast to the engine's dtype, differs from the one
-    the engine holds, bit for bit; a tensor whose changed elements, as (int32 index, value)
-    pairs, would take more bytes than the whole tensor is copied whole. Comparing with what the
-    engine holds, not with a remembered copy, makes every sync exact: after a restart or a
-    recovery as after any other. Counts the elements seen and changed."""
+    """Delta weight sync: send or write only the elements of a tensor whose value, cast to the
+    engine's dtype, differs bit for bit from the one the engine holds; a tensor whose changed
+    elements, as (int32 index, value) pairs, would take as many bytes as the whole tensor goes
+    whole. Where the sender reaches the engine's parameters (``shm``), ``write`` compares with
+    them: exact after a restart or a recovery as after any other sync. Elsewhere ``pack``
+    compares with what this sender last sent that target (``held``: one copy of what it sends,
+    in the engine's dtype, where the sender's tensor lives), and the target ``unpack``s.
+    Counts the elements seen and changed over one sync."""
 
     BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
     def __init__(self):
         self.changed = self.total = 0
 
+    def _changed(self, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+        """The mask of elements that differ, their count, and whether to send the tensor whole."""
+        bits = self.BITS[new.element_size()]
+        changed = new.view(bits) != old.view(bits)
+        n = int(changed.sum())
+        self.changed, self.total = self.changed + n, self.total + new.numel()
+        return changed, n, n * (new.element_size() + 4) >= new.numel() * new.element_size()
+
     def write(self, dst: torch.Tensor, src: torch.Tensor) -> int:
         """``src`` into ``dst`` where they differ; the bytes a message of the change would hold."""
         new = src.to(dst.dtype)
-        bits = self.BITS[dst.element_size()]
-        changed = new.view(bits) != dst.view(bits)
-        n, size = int(changed.sum()), dst.element_size()
-        self.changed, self.total = self.changed + n, self.total + dst.numel()
-        if n * (size + 4) >= dst.numel() * size:
+        changed, n, whole = self._changed(new, dst)
+        if whole:
             dst.copy_(new)
-            return dst.numel() * size
+            return dst.numel() * dst.element_size()
         if n:
             dst[changed] = new[changed]
-        return n * (size + 4)
+        return n * (dst.element_size() + 4)
+
+    def pack(self, held: dict, key, src: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> tuple[int, int]:
+        """``src`` cast to ``dtype`` against ``held[key]`` (then updated), into the bytes ``out``:
+        the whole tensor (count -1, at the first sync of this target) or the changed elements'
+        flat int32 indices followed by their values (count n). Returns (count, bytes)."""
+        new = src.to(dtype).contiguous()
+        old = held.get(key)
+        if old is None:
+            self.total += new.numel()
+            self.changed += new.numel()
+            held[key], count = new.clone() if new.data_ptr() == src.data_ptr() else new, -1
+        else:
+            changed, count, whole = self._changed(new, old)
+            old.copy_(new)
+            if whole:
+                count = -1
+            elif count:
+                index = changed.view(-1).nonzero().view(-1).to(torch.int32)
+                out[:4 * count].view(torch.int32).copy_(index)
+                out[4 * count: packed_nbytes(new, count)].view(dtype).copy_(new.view(-1)[index.long()])
+        if count < 0:
+            out[:packed_nbytes(new, -1)].view(dtype).view(new.shape).copy_(new)
+        return count, packed_nbytes(new, count)
 
 
-class Outbox:
-    """One sender's buckets for one worker, filled piece by piece as the tensors come and sent
-    point to point when full: exactly the buckets the worker expects (``receive_order``)."""
+DELTA_KEYS = (":delta.index", ":delta.values", ":delta.shape")  # a delta's tensors in a file, after its name
 
-    def __init__(self, group, dst: int, pieces: list[Piece], bucket_bytes: int, device):
-        self.group, self.dst = group, dst
+
+def file_delta(delta: Delta, held: dict, name: str, t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A full tensor as a file holds it for a delta sync (``files``): whole, or as the flat
+    indices, values and full shape of its change (``replay_delta`` applies them)."""
+    out = torch.empty(t.numel() * _itemsize(dtype), dtype=torch.uint8, device=t.device)
+    count, nbytes = delta.pack(held, name, t, _dtype(dtype), out)
+    if count < 0:
+        return {name: out.view(_dtype(dtype)).view(t.shape).cpu()}
+    index, values, shape = (name + k for k in DELTA_KEYS)
+    return {index: out[:4 * count].view(torch.int32).cpu(), values: out[4 * count: nbytes].view(_dtype(dtype)).cpu(),
+            shape: torch.tensor(t.shape, dtype=torch.int64)}
+
+
+def replay_delta(plans: list[Copy], index: torch.Tensor, values: torch.Tensor, full_shape, view) -> None:
+    """Apply a change of a full tensor (flat ``index``, ``values``) to a worker's parameters
+    through the tensor's copy plans, each a box of the full tensor (``sliceable``).
+    ``view(param, byte offset, shape, strides)``: that part of a parameter."""
+    full_shape = tuple(int(n) for n in full_shape)
+    at = torch.stack(torch.unravel_index(index.long(), full_shape), 1)
+    for kind, param, dst_off, dst_shape, dst_strides, _, src_off, src_shape, src_strides in plans:
+        if kind == "fill":
+            continue  # constants (padding) no sync changes
+        box = view_box(full_shape, int(src_off), src_shape, src_strides)
+        lo, hi = (torch.tensor([b[k] for b in box]) for k in (0, 1))
+        inside = ((at >= lo) & (at < hi)).all(1)
+        dst = view(param, dst_off, dst_shape, dst_strides)
+        dst.index_put_(tuple((at[inside] - lo).T), values[inside].to(dst.dtype))
+
+
+def packed_nbytes(t: torch.Tensor, count: int) -> int:
+    """The bytes ``Delta.pack`` writes for ``t`` with this count."""
+    return _packed(t.numel(), t.element_size(), count)
+
+
+def _packed(numel: int, itemsize: int, count: int) -> int:
+    return numel * itemsize if count < 0 else count * (4 + itemsize)
+
+
+def packed_bucket_nbytes(bucket: list[tuple[Piece, int]], counts: list[int]) -> int:
+    """The bytes of a bucket packed with these counts (``_Buckets``)."""
+    offset = 0
+    for (piece, _), count in zip(bucket, counts):
+        offset = _aligned(offset + _packed(piece.nbytes // _itemsize(piece.dtype), _itemsize(piece.dtype), count))
+    return offset
+
+
+def unpack(dst: torch.Tensor, buf: torch.Tensor, count: int) -> int:
+    """Apply what ``Delta.pack`` wrote at the start of ``buf`` to ``dst`` (any strided view);
+    the bytes read."""
+    nbytes = packed_nbytes(dst, count)
+    if count < 0:
+        dst.copy_(buf[:nbytes].view(dst.dtype).view(dst.shape))
+    elif count:
+        index = buf[:4 * count].view(torch.int32).long()
+        dst.index_put_(torch.unravel_index(index, dst.shape), buf[4 * count: nbytes].view(dst.dtype))
+    return nbytes
+
+
+class _Buckets:
+    """A sender's buckets for one worker, filled piece by piece as the tensors come, in the order
+    the worker expects them (``receive_order``): each piece at its fixed place, or, with a
+    ``Delta``, packed one after another with a count each (``Delta.pack``)."""
+
+    def __init__(self, pieces: list[Piece], bucket_bytes: int):
         self.pieces = pieces
-        self.where, size = places(pieces, bucket_bytes)
-        self.buf = torch.empty(size, dtype=torch.uint8, device=device)
+        self.where, self.size = places(pieces, bucket_bytes)
+        self.held: dict = {}  # delta: what this worker got from here last, per piece
+        self.cursor, self.counts = 0, []
 
-    def put(self, piece: Piece, t: torch.Tensor) -> int:
-        if piece.fill is not None:
-            return 0  # the worker applies constants itself
+    def _pack(self, buf: torch.Tensor, piece: Piece, t: torch.Tensor, delta: "Delta | None"):
+        """Put a piece in ``buf``; its bucket (bytes and counts) when the piece ends one, else None."""
         offset, bucket = self.where[id(piece)]
         src = source_view(t, piece)
-        self.buf[offset: offset + piece.nbytes].view(src.dtype).view(piece.shape).copy_(src)
-        if bucket is not None:
-            self.group.send([self.buf[:bucket_nbytes(bucket)]], self.dst, 0).wait()
-        return piece.nbytes
+        if delta is None:
+            buf[offset: offset + piece.nbytes].view(src.dtype).view(piece.shape).copy_(src)
+            return (bucket_nbytes(bucket), None) if bucket is not None else None
+        count, n = delta.pack(self.held, id(piece), src, _dtype(piece.dtype), buf[self.cursor:])
+        self.counts.append(count)
+        self.cursor = _aligned(self.cursor + n)
+        if bucket is None:
+            return None
+        done = (self.cursor, self.counts)
+        self.cursor, self.counts = 0, []
+        return done
+
+    def forget(self) -> None:
+        """The worker may hold other weights than the last ones sent (a sync failed): send whole."""
+        self.held = {}
 
 
-class SharedOutbox:
+class Outbox(_Buckets):
+    """One sender's buckets for one worker, sent point to point when full (with a ``Delta``:
+    the counts first, then the packed bytes)."""
+
+    def __init__(self, group, dst: int, pieces: list[Piece], bucket_bytes: int, device):
+        super().__init__(pieces, bucket_bytes)
+        self.group, self.dst = group, dst
+        self.buf = torch.empty(self.size, dtype=torch.uint8, device=device)
+
+    def put(self, piece: Piece, t: torch.Tensor, delta: "Delta | None" = None) -> int:
+        """The bytes sent (a delta's counts included)."""
+        if piece.fill is not None:
+            return 0  # the worker applies constants itself
+        done = self._pack(self.buf, piece, t, delta)
+        if done is None:
+            return piece.nbytes if delta is None else 0
+        nbytes, counts = done
+        if counts is not None:
+            self.group.send([torch.tensor(counts, dtype=torch.int64, device=self.buf.device)], self.dst, 0).wait()
+        if nbytes:
+            self.group.send([self.buf[:nbytes]], self.dst, 0).wait()
+        return piece.nbytes if counts is None else nbytes + 8 * len(counts)
+
+
+class SharedOutbox(_Buckets):
     """One sender's buckets for one worker, handed over through two shared buffers in turn (CUDA
     IPC on a GPU, /dev/shm on CPU): the sender fills one while the worker copies out of the
-    other. ``load(worker, sender, slot, handle, bucket)`` returns a Ray ref that is ready once
-    the worker copied that bucket out. The buffers are the sender's: vLLM's sleep-mode memory
-    cannot be exported over CUDA IPC, so the copies land in vLLM's own parameters, and sleep
-    and wake keep working."""
+    other. ``load(worker, sender, slot, handle, bucket, counts)`` returns a Ray ref that is
+    ready once the worker copied that bucket out. The buffers are the sender's: vLLM's
+    sleep-mode memory cannot be exported over CUDA IPC, so the copies land in vLLM's own
+    parameters, and sleep and wake keep working."""
 
     def __init__(self, load, sender: int, worker: int, pieces: list[Piece], bucket_bytes: int, device, wait=None):
         """``wait(ref)``: block until the worker is done with a bucket (default ``ray.get``)."""
         from elasticrl.weights import shm
 
-        self.load, self.sender, self.worker, self.pieces = load, sender, worker, pieces
+        super().__init__(pieces, bucket_bytes)
+        self.load, self.sender, self.worker = load, sender, worker
         self.wait = wait or _ray_get
-        self.where, size = places(pieces, bucket_bytes)
-        self.buffers = [shm.share(max(size, 1), device) for _ in range(2)]
+        self.buffers = [shm.share(max(self.size, 1), device) for _ in range(2)]
         self.turn, self.pending = 0, [None, None]
 
-    def put(self, piece: Piece, t: torch.Tensor) -> int:
+    def put(self, piece: Piece, t: torch.Tensor, delta: "Delta | None" = None) -> int:
         from elasticrl import backend
 
         if piece.fill is not None:
             return 0  # constants: the padding the engine zeroed at load, which no sync writes
-        offset, bucket = self.where[id(piece)]
         if self.pending[self.turn] is not None:  # the worker is done with this buffer's last bucket
             self.wait(self.pending[self.turn])
             self.pending[self.turn] = None
         handle, buf = self.buffers[self.turn]
-        src = source_view(t, piece)
-        buf[offset: offset + piece.nbytes].view(src.dtype).view(piece.shape).copy_(src)
-        if bucket is not None:
-            backend.synchronize()  # the bytes are in before the worker reads them
-            self.pending[self.turn] = self.load(self.worker, self.sender, self.turn, handle, bucket)
-            self.turn = 1 - self.turn
-        return piece.nbytes
+        done = self._pack(buf, piece, t, delta)
+        if done is None:
+            return piece.nbytes if delta is None else 0
+        nbytes, counts = done
+        backend.synchronize()  # the bytes are in before the worker reads them
+        bucket = self.where[id(piece)][1]
+        self.pending[self.turn] = self.load(self.worker, self.sender, self.turn, handle, bucket, counts)
+        self.turn = 1 - self.turn
+        return piece.nbytes if counts is None else nbytes
 
     def finish(self) -> None:
         for ref in self.pending:
@@ -325,6 +449,12 @@ class SharedOutbox:
 
         for handle, _ in self.buffers:
             shm.unshare(handle)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from elasticrl.weights.shm import DTYPES
+
+    return DTYPES[name]
 
 
 def _ray_get(ref):

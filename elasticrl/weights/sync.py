@@ -30,6 +30,11 @@ weights, under the base's names, by any of the above) or, to engines that serve 
 (``rollout.lora_sync: adapter``), as the adapters alone: gathered to rank 0, one bucket staged
 in shared memory (``shm``, ``ipc``, ``shm_staged``), broadcast, or written as files.
 
+With ``rollout.delta_sync`` a sync sends only the elements that changed (``slices.Delta``): over
+``shm`` compared with the engine's own parameters, over sliced ``broadcast`` and ``ipc`` with what
+the sender sent that worker last (packed as indices and values, counts first), over ``files`` as
+index/value tensors that each worker applies through its copy plans.
+
 A sync is atomic for the engines: they refuse to generate between ``begin_sync`` and
 ``finish_sync(version)``.
 """
@@ -216,7 +221,8 @@ class WeightSender:
     def __init__(self, ds_engine, engines: list, engine_infos: list[dict], transport: str, bucket_bytes: int,
                  timeout_s: int, files_dir: str | None = None, layout: str = "auto", adapters: bool = False,
                  delta: bool = False):
-        """``delta``: over ``shm``, write only the elements that changed (``slices.Delta``)."""
+        """``delta``: send only the elements that changed (``slices.Delta``) where the transport
+        allows: shm, sliced broadcast and ipc, files into engines with copy plans."""
         self.engines = engines
         self.adapters = _peft_config(ds_engine) if adapters else None
         self.infos = engine_infos
@@ -233,8 +239,10 @@ class WeightSender:
                              f"choose auto or one of {TRANSPORTS}")
         self.layouts = trainer_layouts(ds_engine)
         self.layout = layout
-        self.delta = delta and self.transport == "shm" and not self.adapters
+        self.delta = delta and not self.adapters
         self._delta: slices.Delta | None = None  # this sync's counts
+        self._held: dict = {}  # files: what the engines got last, per tensor (delta)
+        self._file_dtypes: dict | None = None  # files: each tensor's dtype in the engines (delta)
         self.tp = max(1, ds_engine.autotp_size())
         # decided at the first sync: it asks the engines, and failures there are the pool's to handle
         self.sliced = self.plans = None
@@ -261,9 +269,7 @@ class WeightSender:
             self._plan_senders()
 
     def _can_slice(self) -> bool:
-        unplanned = sorted({n for workers in self.plans for w in workers for n in w["unplanned"]})
-        why = f"vLLM transforms {unplanned[:5]} while loading" if unplanned else next(
-            (w for workers in self.plans for p in workers if (w := slices.sliceable(p["plans"], self.layouts))), None)
+        why = _unsliceable([w for workers in self.plans for w in workers], self.layouts)
         if why and self.rank == 0:
             log.warning("weight sync: %s; rank 0 gathers and sends every tensor whole", why)
         return why is None
@@ -313,7 +319,7 @@ class WeightSender:
                 self.sliced = False
         if self.rank == 0:
             self._incarnations = incarnations
-        sent, self._delta = 0, slices.Delta() if self.delta else None
+        sent, self._delta = 0, slices.Delta() if self.delta and self._delta_here() else None
         try:
             sent = self._sync_adapters(ds_engine) if self.adapters else \
                 self._sync_sliced(ds_engine) if self.sliced else self._sync_gathered(ds_engine)
@@ -322,6 +328,8 @@ class WeightSender:
         counts = (self._delta.changed, self._delta.total) if self._delta else (0, 0)
         by_rank = [_ints([0, 0, 0]) for _ in range(self.world)]
         dist.all_gather(by_rank, _ints([sent if error is None else -1, *counts]))  # every write is in before finish
+        if error is not None or any(int(b[0]) < 0 for b in by_rank):
+            self._forget()  # the engines may hold part of this sync: the next one sends whole
         _raise_if_failed(error, [int(b[0]) for b in by_rank])
         if self.rank != 0:
             return {}
@@ -352,11 +360,13 @@ class WeightSender:
             elif self._outboxes is None:
                 self._outboxes = [slices.SharedOutbox(self.engines[e].load_pieces.remote, self.rank, w, pieces,
                                                       self.bucket_bytes, device) for e, w, pieces in mine]
-            refs = [e.receive.remote() for e in self.engines] if self.rank == 0 and self._group else []
+            refs = [e.receive.remote(self._delta is not None) for e in self.engines] \
+                if self.rank == 0 and self._group else []
             for box in self._outboxes:
                 for piece in box.pieces:
                     by_name.setdefault(piece.name, []).append((box, piece))
-            sent = _each_piece(iter_local_params(ds_engine), by_name, lambda box, piece, t: box.put(piece, t))
+            sent = _each_piece(iter_local_params(ds_engine), by_name,
+                               lambda box, piece, t: box.put(piece, t, self._delta))
             for box in self._outboxes:
                 if isinstance(box, slices.SharedOutbox):
                     box.finish()
@@ -371,6 +381,15 @@ class WeightSender:
                            lambda arena, piece, t: slices.write_piece(arena, piece, t, self._delta))
         backend.synchronize()
         return sent
+
+    def _delta_here(self) -> bool:
+        """Whether this sync can go as a delta (decided on every rank alike)."""
+        return self.transport in ("shm", "files") or bool(self.sliced) and self.transport in SLICED
+
+    def _forget(self) -> None:
+        for box in self._outboxes or ():
+            box.forget()
+        self._held = {}
 
     def _sync_gathered(self, ds_engine) -> int:
         params = _Counted(iter_full_params(ds_engine))
@@ -490,19 +509,39 @@ class WeightSender:
         ray.get(refs)
 
     # --- files --------------------------------------------------------------------------
-    def _send_files(self, params, size: int, adapter: dict | None = None) -> None:
+    def _send_files(self, params, size: int, adapter: dict | None = None) -> int:
         from elasticrl.files import atomic_folder
         from elasticrl.weights.shards import save_sharded
 
         self._files_seq = getattr(self, "_files_seq", 0) + 1
         root = Path(self.files_dir or "/tmp/elasticrl-weights")
         final = root / f"v{self._files_seq:06d}"
+        dtypes = self._delta_dtypes() if self._delta is not None and adapter is None else {}
+        written = 0
         with atomic_folder(final) as tmp:
-            save_sharded({name: t.to("cpu", copy=True) for name, t in params}, tmp, size)
+            tensors = {}
+            for name, t in params:
+                part = slices.file_delta(self._delta, self._held, name, t, dtypes[name]) if name in dtypes else \
+                    {name: t.to("cpu", copy=True)}
+                tensors.update(part)
+                written += sum(v.numel() * v.element_size() for v in part.values())
+            save_sharded(tensors, tmp, size)
         ray.get([e.load_files.remote(str(final), adapter) for e in self.engines])
         for old in root.glob("v*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
+        return written * len(self.engines)
+
+    def _delta_dtypes(self) -> dict[str, str]:
+        """files: each tensor's dtype in the engines, where every engine worker can apply a delta
+        of it through its copy plans ({} where they cannot: those syncs go whole)."""
+        if self._file_dtypes is None:
+            plans = [w for e in self.engines for w in ray.get(e.copy_plans.remote())]
+            why = _unsliceable(plans, self.layouts) if self.layouts else "the trainer's AutoTP fuses projections"
+            if why:
+                log.warning("weight sync: %s; files go whole (rollout.delta_sync)", why)
+            self._file_dtypes = {} if why else {name: cs[0][5] for name, cs in plans[0]["plans"].items()}
+        return self._file_dtypes
 
     # --- teardown -----------------------------------------------------------------------
     def _release_targets(self) -> None:
@@ -510,7 +549,8 @@ class WeightSender:
         for box in self._outboxes or ():
             if isinstance(box, slices.SharedOutbox):
                 box.close()
-        self._arenas = self._outboxes = self._group = None
+        self._arenas = self._outboxes = self._group = self._file_dtypes = None
+        self._held = {}
 
     def _release_buffers(self) -> None:
         for path, _ in self._buffers:
@@ -532,6 +572,14 @@ def _peft_config(ds_engine) -> dict:
     import json
 
     return json.loads(json.dumps(ds_engine.module.peft_config["default"].to_dict(), default=sorted))
+
+
+def _unsliceable(plans: list[dict], layouts: dict) -> str | None:
+    """Why the engine workers' copy ``plans`` do not all read boxes of the full tensors (None: they do)."""
+    unplanned = sorted({n for w in plans for n in w["unplanned"]})
+    if unplanned:
+        return f"vLLM transforms {unplanned[:5]} while loading"
+    return next((why for w in plans if (why := slices.sliceable(w["plans"], layouts))), None)
 
 
 def _each_piece(tensors, by_name: dict, copy) -> int:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "eval.enabled=false",
         "eval.num_prompts=32", "train.micro_batch_size=8", "train.global_batch_size=32",
         "train.lr=1e-3", "train.warmup_ratio=0", "checkpoint.resume=null"]
+STEPS = 20  # optimizer steps per transport in the delta test
 PROBE = [[1, 4, 7, 13, 78, 11, 86, 5, 9, 9, 2], [1, 4, 8, 78, 8, 86, 5, 17, 2]]
 
 
@@ -392,35 +393,51 @@ def test_lora_trains_only_its_adapters_resumes_at_one_rank_and_exports_a_peft_fo
 
 
 def test_delta_syncs_leave_the_engine_holding_what_a_full_sync_would_bit_for_bit(ray_cluster, tmp_path):
-    """rollout.delta_sync over shm into a vLLM engine, bf16 weights, real optimizer steps at lr
-    1e-6: the first sync (the engine holds the checkpoint it loaded, the trainer the same) writes
-    nothing; each later one a small share of the elements, as fewer bytes than the model; after
-    each, a full sync of the same weights changes nothing in the engine, bit for bit."""
+    """rollout.delta_sync from AutoTP 2 ranks into a TP 1 vLLM engine (each rank sends its slices,
+    2 -> 1), bf16, real optimizer steps at lr 1e-6, over every transport the engine takes on CPU:
+    shm (compared with the engine's own weights), ipc (through the senders' shared buffers),
+    broadcast (gloo, point to point) and files (through the engine's copy plans). Each
+    transport's first sync writes nothing (shm) or goes whole (the others: the sender has sent
+    nothing yet); each later one a small share of the elements, in fewer bytes than a full sync;
+    after each, a full sync of the same weights changes nothing in the engine, bit for bit."""
     from elasticrl.rollout.pool import RolloutPool
 
-    spec = _spec("model.dtype=bf16", "train.num_ranks=1", "train.lr=1e-6", "rollout.delta_sync=true",
+    spec = _spec(*LAYOUTS["autotp2"], "model.dtype=bf16", "train.lr=1e-6", "rollout.delta_sync=true",
                  "rollout.max_model_len=64")
     paths = resolve_paths(spec)
-    trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
+    trainer = RoleGroup("trainer", SFTWorker, 2, spec_to_dict(spec), paths)
     pool = RolloutPool(paths["model"], spec.rollout, "bf16", seed=0)
-    synced = []
+    synced, version = {}, 0
+
+    def full_sync(w, version: int) -> dict:  # the same sender, once without its delta
+        w.core.sender.delta = False
+        try:
+            return w.sync_weights(version)
+        finally:
+            w.core.sender.delta = True
     try:
         trainer.setup(10)
-        trainer.call("attach_rollout", pool.engines, pool.infos, "shm", 64, str(tmp_path))
-        for step in range(6):
-            if step:
-                trainer.call("train_step", step - 1)
-            delta = trainer.call("sync_weights", 2 * step + 1)[0]
-            held = pool.call("worker_weights")
-            trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", False))
-            full = trainer.call("sync_weights", 2 * step + 2)[0]
-            trainer.call("__ray_call__", lambda w: setattr(w.core.sender, "delta", True))
-            assert pool.call("worker_weights") == held, f"step {step}: the delta sync left other weights"
-            synced.append((delta, full))
+        for transport in ("shm", "ipc", "broadcast", "files"):
+            trainer.call("attach_rollout", pool.engines, pool.infos, transport, 1, str(tmp_path))
+            for step in range(STEPS):
+                if step:
+                    trainer.call("train_step", version)
+                delta = trainer.call("sync_weights", version := version + 1)[0]
+                held = pool.call("worker_weights", True)
+                full = trainer.call("__ray_call__", full_sync, version := version + 1)[0]
+                assert pool.call("worker_weights", True) == held, (transport, step)
+                synced.setdefault(transport, []).append((delta, full))
+            trainer.call("detach_rollout")
     finally:
         trainer.shutdown()
         pool.shutdown()
-    first, model = synced[0][0], synced[0][1]["sync/gbytes"]
-    assert first["sync/delta_fraction"] == 0 and first["sync/gbytes"] == 0 and "sync/delta_fraction" not in synced[0][1]
-    for delta, full in synced[1:]:
-        assert 0 < delta["sync/delta_fraction"] < 0.5 and 0 < delta["sync/gbytes"] < model == full["sync/gbytes"], delta
+    for transport, syncs in synced.items():
+        (first, full), model = syncs[0], syncs[0][1]["sync/gbytes"]
+        if transport == "shm":  # it compared with what the engine holds: the checkpoint, as the trainer
+            assert (first["sync/delta_fraction"], first["sync/gbytes"]) == (0, 0), first
+        else:  # whole: the bytes of a full sync (+ 8 bytes a piece of counts, point to point)
+            assert first["sync/delta_fraction"] == 1 and model <= first["sync/gbytes"] < 1.001 * model, first
+        assert first["sync/layout"] == ("gathered" if transport == "files" else "sliced")
+        for delta, full in syncs[1:]:
+            assert 0 < delta["sync/delta_fraction"] < 0.5 and 0 < delta["sync/gbytes"] < model / 3, (transport, delta)
+            assert full["sync/gbytes"] == model and "sync/delta_fraction" not in full

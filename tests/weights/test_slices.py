@@ -133,3 +133,51 @@ def test_a_delta_writes_the_changed_elements_bit_for_bit_or_the_whole_tensor_whe
     assert delta.write(dst, src) == 48 and (delta.changed, delta.total) == (3 + 8, 48)
     assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
     assert delta.write(dst, src) == 0 and delta.changed == 11  # nothing left to change
+
+
+def test_a_packed_delta_sends_the_changed_elements_against_what_was_sent_last():
+    """What a sender sends where it cannot read the engine (broadcast, ipc, files): the first time
+    whole (count -1, 24 bf16 = 48 bytes); then, against what it sent, 2 changed elements as
+    flat int32 indices [7, 20] then bf16 values (2 x 6 = 12 bytes); a receiver's strided view
+    (a transposed bf16 parameter) ends equal to the source cast, bit for bit."""
+    from elasticrl.weights.slices import Delta, unpack
+
+    src, held, delta = torch.zeros(4, 6), {}, Delta()
+    src[0, 0] = 3.0
+    out = torch.zeros(64, dtype=torch.uint8)
+    param = torch.full((6, 4), 9.0, dtype=torch.bfloat16)
+    assert delta.pack(held, "w", src, torch.bfloat16, out) == (-1, 48)
+    assert unpack(param.t(), out, -1) == 48 and torch.equal(param.t(), src.to(torch.bfloat16))
+    src[1, 1], src[3, 2] = 0.5, -0.0  # flat 1 * 6 + 1 = 7 and 3 * 6 + 2 = 20
+    out.zero_()
+    assert delta.pack(held, "w", src, torch.bfloat16, out) == (2, 12)
+    assert out[:8].view(torch.int32).tolist() == [7, 20] and out[8:12].view(torch.bfloat16).tolist() == [0.5, -0.0]
+    assert (delta.changed, delta.total) == (24 + 2, 48)
+    assert unpack(param.t(), out, 2) == 12
+    assert torch.equal(param.t().view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(held["w"], src.to(torch.bfloat16))
+
+
+def test_a_file_delta_lands_through_the_copy_plans_in_the_fused_and_sliced_parameters():
+    """A 4 x 3 tensor whose rows 0-1 and 2-3 land in two parameters (as a TP 2 slice, or q and k
+    into one fused qkv): a change at (1, 2) and (2, 0) lands at (1, 2) of the first and (0, 0)
+    of the second; the first plan's padding fill is left alone."""
+    from elasticrl.weights.slices import DELTA_KEYS, Delta, file_delta, replay_delta
+
+    full = torch.arange(12, dtype=torch.float32).view(4, 3)
+    held, delta = {}, Delta()
+    assert set(file_delta(delta, held, "w", full, "float32")) == {"w"}
+    params = [torch.zeros(3, 3), torch.zeros(2, 3)]
+    plans = [("copy", 0, 0, [2, 3], [3, 1], "float32", 0, [2, 3], [3, 1]),
+             ("fill", 0, 24, [1, 3], [3, 1], "float32", 0.0, [], []),
+             ("copy", 1, 0, [2, 3], [3, 1], "float32", 6, [2, 3], [3, 1])]
+    new = full.clone()
+    new[1, 2], new[2, 0] = -1.0, -2.0
+    sent = file_delta(delta, held, "w", new, "float32")
+    assert sent["w" + DELTA_KEYS[0]].tolist() == [5, 6] and sent["w" + DELTA_KEYS[1]].tolist() == [-1.0, -2.0]
+
+    def view(param, offset, shape, strides):
+        return params[param].as_strided(shape, strides, offset // 4)
+    replay_delta(plans, *(sent["w" + k] for k in DELTA_KEYS), view)
+    assert params[0].tolist() == [[0, 0, 0], [0, 0, -1.0], [0, 0, 0]]
+    assert params[1].tolist() == [[-2.0, 0, 0], [0, 0, 0]]
