@@ -77,6 +77,14 @@ class TrainRank:
     def device(self):
         return backend.current_device()
 
+    def frozen_copy(self):
+        """The start model, frozen, in this rank's dtype and device: a reference beside the trained
+        copy. None under LoRA, where the trained model with its adapters off is the base."""
+        if self.lora:
+            return None
+        return load_causal_lm(self.model_path, self.spec.model.trust_remote_code).to(
+            self.device, torch_dtype(self.dtype)).eval().requires_grad_(False)
+
     def my_rows(self, num_rows: int) -> slice:
         """This rank's share of a batch of ``num_rows`` (tensor-parallel peers share one)."""
         return row_share(num_rows, self.dp_size, self.dp_rank)

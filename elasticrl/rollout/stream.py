@@ -137,6 +137,11 @@ class Stream:
                     i.finish = "stop" if r.finish_reason == "stop" else "length"
         self.rounds += 1
 
+    def arm(self) -> None:
+        """Before a ``segment`` starts: its step's trainers have not finished, nothing is halted."""
+        self.trained.clear()
+        self.halted.clear()
+
     def segment(self, pool, version: int) -> None:
         """Rounds while the trainers train: at least one, until a batch trained at ``version``
         (the weights after this update) is ready, and (rl.fully_async_rounds until_trained)

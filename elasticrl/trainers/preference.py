@@ -25,9 +25,7 @@ from elasticrl import backend
 from elasticrl.algorithms.preference import dpo_loss, kto_loss
 from elasticrl.cluster import Placement, RoleGroup, ray_session
 from elasticrl.data.records import prompt_answer, read_records, sample_indices, tokenize_sft
-from elasticrl.models import torch_dtype
 from elasticrl.models.evaluate import greedy_accuracy
-from elasticrl.models.load import load_causal_lm
 from elasticrl.models.scoring import response_logps
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, spec_to_dict
@@ -64,8 +62,7 @@ class PreferenceWorker(RankWorker):
         self.eval_pairs = read_records(self.paths["eval"], pair_keys)
         self.eval_prompts = read_records(self.paths["eval_prompts"], prompt_answer(d)) \
             if self.paths.get("eval_prompts") else []
-        self.ref = None if self.core.lora else load_causal_lm(self.paths["model"], s.model.trust_remote_code).to(
-            self.core.device, torch_dtype(self.core.dtype)).eval().requires_grad_(False)
+        self.ref = self.core.frozen_copy()
         self.table: dict | None = None  # precomputed reference log-probs
         return {"dtype": self.core.dtype, "records": len(self.records)}
 

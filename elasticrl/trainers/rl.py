@@ -275,8 +275,7 @@ def _from_stream(run: Run, step: int) -> tuple[list[int], list[Sample], dict]:
     out = stream.take(run.version)
     stream.fill(lambda: _draw(run))
     if step + 1 < run.spec.rl.num_steps:
-        stream.trained.clear()
-        stream.halted.clear()
+        stream.arm()
         run.segment = in_background(stream.segment, pool, run.version + 1)
     return out
 

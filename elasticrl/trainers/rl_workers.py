@@ -20,7 +20,7 @@ from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logpr
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
 from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
 from elasticrl.engine.strategy import ds_config, init_distributed
-from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values, torch_dtype
+from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.spec import load_spec
 from elasticrl.trainers.batch import Experience, rows_reply, widened
 from elasticrl.trainers.worker import TRAINER_IMPORTS, RankWorker
@@ -70,10 +70,9 @@ class ActorWorker(_TrainedRole):
         if s.rl.ptx_coef > 0:
             self.ptx_records = read_records(self.ptx_path, ("prompt", "response"))
         self.ref = None  # placement.reference: in_actor: the frozen start model, whole in this process
-        if s.placement.reference == "in_actor" and s.rl.kl_coef > 0 and not self.core.lora:
+        if s.placement.reference == "in_actor" and s.rl.kl_coef > 0:
             t0 = time.time()
-            self.ref = load_causal_lm(self.model_path, s.model.trust_remote_code).to(
-                self.core.device, torch_dtype(self.core.dtype)).eval().requires_grad_(False)
+            self.ref = self.core.frozen_copy()
             out["reference_load_s"] = time.time() - t0
         return out
 
@@ -81,10 +80,11 @@ class ActorWorker(_TrainedRole):
         self.ptx_path = path
 
     @torch.no_grad()
-    def logprobs(self, batch: Experience) -> dict:
-        """Log-probs of this rank's rows under the current policy (shifted layout)."""
-        T = self.spec.rl.temperature
-        share, lp = self._forward_all(batch, lambda mb: token_logprobs(self._logits(mb), mb.labels, T))
+    def logprobs(self, batch: Experience, model=None) -> dict:
+        """Log-probs of this rank's rows under the current policy, or ``model`` (shifted layout)."""
+        T, model = self.spec.rl.temperature, self.core.engine if model is None else model
+        share, lp = self._forward_all(batch, lambda mb: token_logprobs(
+            model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels, T))
         return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
 
     @torch.no_grad()
@@ -92,13 +92,10 @@ class ActorWorker(_TrainedRole):
         """The reference's log-probs in this process: its frozen copy's (placement.reference:
         in_actor), or under LoRA (``model.lora``) the base's, the model with its adapters switched
         off (no copy of the weights)."""
-        if self.ref is None:
-            with self.core.engine.module.disable_adapter():
-                return self.logprobs(batch)
-        T = self.spec.rl.temperature
-        share, lp = self._forward_all(batch, lambda mb: token_logprobs(
-            self.ref(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels, T))
-        return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
+        if self.ref is not None:
+            return self.logprobs(batch, self.ref)
+        with self.core.engine.module.disable_adapter():
+            return self.logprobs(batch)
 
     def _logits(self, mb: Experience) -> torch.Tensor:
         return self.core.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
