@@ -34,6 +34,7 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; p
 case "$MODE" in
   bare)
     step transports 240 $PY scripts/sync_check.py --device cuda --senders 2 --receivers 1,2 --hidden 1024 --layers 8
+    step delta 120 $PY scripts/sync_check.py --device cuda --senders 2 --receivers 1 --hidden 1024 --layers 8 --delta
     if $PY -c "import deepspeed" 2>/dev/null; then
       step deepspeed_step 180 $PY scripts/sync_check.py --deepspeed-step
     else

@@ -7,7 +7,8 @@ into gate_up, each part cut by rows; o/down by columns; embedding and head by vo
 rows; norms whole), described by copy plans like those vLLM's loaders record. Each transport
 moves the slices with the project's own code (``elasticrl.weights.slices``, ``receive``,
 ``group``) and every receiver checks its parameters bit-exact against the slices cut from
-the full tensors here. Transports: ``p2p`` (a gloo or NCCL group, point to point), ``ipc``
+the full tensors here (``--delta``: after a second sync that sends only what an update
+changed). Transports: ``p2p`` (a gloo or NCCL group, point to point), ``ipc``
 (buckets in the senders' own buffers that the receivers map: CUDA IPC on a GPU, /dev/shm on
 CPU; a message and an answer per bucket, as Ray carries them in the product) and ``arena`` (the
 receivers' parameters in one /dev/shm buffer the senders write into; CPU only). Figures:
@@ -104,17 +105,23 @@ def vllm_worker(shapes: dict, rank: int, tp: int):
         for name, cs in plans.items()}
 
 
-def full_tensors(shapes: dict) -> dict[str, torch.Tensor]:
+def full_tensors(shapes: dict, changed: bool = False) -> dict[str, torch.Tensor]:
+    """The model's full tensors; ``changed``: after an update that moved every 97th element of
+    each (what ``--delta``'s second sync sends)."""
     g = torch.Generator().manual_seed(0)
-    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    if changed:
+        for t in full.values():
+            t.view(-1)[::97] += 1.0
+    return full
 
 
 def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
     device = _device(args, rank)
     shapes = model_shapes(args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
     layouts = trainer_layouts(shapes, args.senders)
-    full = full_tensors(shapes)
-    local = {n: _cut(full[n], layouts[n], rank).to(device) for n in shapes}
+    versions = [full_tensors(shapes, changed) for changed in ((False, True) if args.delta else (False,))]
+    syncs = [{n: _cut(full[n], layouts[n], rank).to(device) for n in shapes} for full in versions]
     pieces = _pieces(shapes, layouts, args)
     bucket = args.bucket_mb * 2**20
     group = None
@@ -139,17 +146,20 @@ def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
         arenas = [Arena(shm.attach(path, nbytes), offsets) for path, nbytes, offsets in arenas_info]
         results.put(("ready", rank, 0, 0.0))
         _wait_file(args, "go")
-    t0 = time.perf_counter()
-    sent = 0
-    for name, t in local.items():
-        for w in range(args.receivers):
-            for piece in pieces[w][rank]:
-                if piece.name == name:
-                    sent += slices.write_piece(arenas[w], piece, t) if args.transport == "arena" else \
-                        boxes[w].put(piece, t)
+    for local in syncs:  # with --delta, the second sends what changed since the first (what it counts)
+        t0 = time.perf_counter()
+        sent, delta = 0, slices.Delta() if args.delta else None
+        for name, t in local.items():
+            for w in range(args.receivers):
+                for piece in pieces[w][rank]:
+                    if piece.name == name:
+                        sent += slices.write_piece(arenas[w], piece, t, delta) if args.transport == "arena" else \
+                            boxes[w].put(piece, t, delta)
+        if args.transport == "ipc":
+            for box in boxes:
+                box.finish()
     if args.transport == "ipc":
         for box in boxes:
-            box.finish()
             inboxes[box.worker].put(None)  # this sender is done
     backend.synchronize()
     if group is not None:
@@ -174,7 +184,8 @@ def _receiver(rank: int, args, port: int, arena_queue, queues, results) -> None:
         schedule = slices.receive_order(dict(enumerate(pieces[rank])), {n: i for i, n in enumerate(shapes)},
                                         args.bucket_mb * 2**20)
         group.barrier().wait()
-        receive.receive_sliced(group, params, schedule)
+        for _ in range(2 if args.delta else 1):
+            receive.receive_sliced(group, params, schedule, delta=args.delta)
         backend.synchronize()
         group.barrier().wait()
     elif args.transport == "ipc":  # what the engine's worker does (worker_ext.erl_load_pieces)
@@ -201,15 +212,15 @@ def _receiver(rank: int, args, port: int, arena_queue, queues, results) -> None:
         params = [shm.view(buf, o, torch.float32, tuple(s)) for o, s in zip(offsets, param_shapes)]
         _wait_file(args, "done")
         shm.release(path)
-    want = _expected(shapes, rank, args.receivers, param_shapes)
+    want = _expected(shapes, rank, args.receivers, param_shapes, args.delta)
     bad = [i for i, (p, w) in enumerate(zip(params, want)) if not torch.equal(p.cpu(), w)]
     results.put(("receiver", rank, len(bad), 0.0))
     _wait_file(args, "exit")
 
 
-def _expected(shapes: dict, rank: int, tp: int, param_shapes: list) -> list[torch.Tensor]:
+def _expected(shapes: dict, rank: int, tp: int, param_shapes: list, changed: bool) -> list[torch.Tensor]:
     """The worker's parameters cut from the full tensors directly, by the vLLM layout."""
-    full = full_tensors(shapes)
+    full = full_tensors(shapes, changed)
     out: dict[str, list] = {}
     for name, t in full.items():
         kind, module = _kind(name), name.rsplit(".", 2)[-2]
@@ -344,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--delta", action="store_true", help="sync twice, the second as a delta (rollout.delta_sync) "
+                    "of an update that moved every 97th element; figures are the second's")
     ap.add_argument("--deepspeed-step", action="store_true", help="instead: time DeepSpeed training steps of a "
                     "plain torch model on this device (bare GPU machines that carry its wheel)")
     args = ap.parse_args(argv)
@@ -363,7 +376,8 @@ def main(argv=None) -> int:
                 print(json.dumps({"transport": transport, "receivers": receivers, "skipped": "NCCL wants a GPU "
                                   f"per process: {args.senders + receivers} processes, {len(backend.gpus())} GPUs"}))
                 continue
-            row = run(argparse.Namespace(**{**vars(args), "transport": transport, "receivers": receivers}))
+            row = {**run(argparse.Namespace(**{**vars(args), "transport": transport, "receivers": receivers})),
+                   **({"delta": True} if args.delta else {})}
             row["ratio_to_copy"] = round(row["gbps"] / copy, 3)
             ok &= row["bit_exact"] and set(row["exit_codes"]) == {0}
             print(json.dumps(row), flush=True)
