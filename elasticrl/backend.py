@@ -128,6 +128,21 @@ def heavy_imports():
             gc.enable()
 
 
+@contextlib.contextmanager
+def modules_skipped(names):
+    """Imports inside the block find ``names`` absent (an ImportError, which the optional patches
+    of a library catch); after it they import normally. Names already imported are left alone."""
+    skipped = [n for n in names if n not in sys.modules]
+    for name in skipped:
+        sys.modules[name] = None
+    try:
+        yield
+    finally:
+        for name in skipped:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
 def import_heavy(*modules: str) -> float:
     """Import ``modules`` (what a role's set-up is about to import) under ``heavy_imports``;
     the seconds it took (a role's start-up figures)."""

@@ -120,3 +120,20 @@ def test_tree_memory_divides_a_shared_page_between_its_mappers_in_pss_and_walks_
         assert abs(m["rss"] - each[2]["rss"]) < 4 * mib, each
         assert abs(each[2]["pss"] - m["pss"] - 32 * mib) < 4 * mib, each
     assert after["rss"] - before["rss"] > 3 * 64 * mib and after["pss"] - before["pss"] > 2 * 64 * mib
+
+
+def test_modules_skipped_hides_a_module_from_imports_inside_the_block_only():
+    """What an engine's vLLM import runs under (inductor's lowering skipped): inside, importing
+    the module fails as a missing one does; after, it imports; one already imported stays."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom elasticrl.backend import modules_skipped\n"
+            "with modules_skipped(['wave', 'json']):\n"
+            "    try:\n        import wave\n        print('imported')\n"
+            "    except ImportError:\n        print('absent')\n"
+            "    import json\n    print('json', json.dumps(1))\n"
+            "import wave\nprint('after', wave.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split("\n")[:3] == ["absent", "json 1", "after wave"], out.stdout + out.stderr
