@@ -373,8 +373,9 @@ class _Buckets:
         return done
 
     def forget(self) -> None:
-        """The worker may hold other weights than the last ones sent (a sync failed): send whole."""
-        self.held = {}
+        """The worker may hold other weights than the last ones sent (a sync failed): send whole,
+        from a bucket's start."""
+        self.held, self.cursor, self.counts = {}, 0, []
 
 
 class Outbox(_Buckets):
