@@ -44,7 +44,10 @@ class RolloutEngine:
         self.cpu_mode = backend.cpu_rollout_mode(cpu_mode)
         self.cpu_sleep = cpu_sleep
         self.gate = SyncGate()
-        self._setup_lock = threading.Lock()  # the actor serves calls in threads (max_concurrency)
+        # the actor serves calls in threads (max_concurrency); one collective_rpc at a time where
+        # the order does not matter (vLLM's client of a multiprocess engine, TP > 1, is a ZeroMQ
+        # socket that aborts the process when two threads send at once)
+        self._setup_lock = threading.Lock()
         self.asleep: set[str] = set()  # on a GPU: what of vLLM's memory sleeps
         self.incarnation = 0  # bumps at every (re)start: senders re-attach to new buffers
         self.llm = None
@@ -151,8 +154,10 @@ class RolloutEngine:
         self.gate.finish(version)
 
     def load_shm(self, path: str, nbytes: int, metas: list, adapter: dict | None = None) -> int:
-        """A staged bucket of weights, or (``adapter``: its peft config) the adapter's tensors."""
-        return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas, adapter))[0]
+        """A staged bucket of weights, or (``adapter``: its peft config) the adapter's tensors.
+        The sender has two in flight (one per staging buffer)."""
+        with self._setup_lock:
+            return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas, adapter))[0]
 
     def copy_plans(self) -> list[dict]:
         """Per worker, in tensor-parallel rank order: where each checkpoint tensor lands in it.
