@@ -44,10 +44,10 @@ class RolloutEngine:
         self.cpu_mode = backend.cpu_rollout_mode(cpu_mode)
         self.cpu_sleep = cpu_sleep
         self.gate = SyncGate()
-        # the actor serves calls in threads (max_concurrency); one collective_rpc at a time where
-        # the order does not matter (vLLM's client of a multiprocess engine, TP > 1, is a ZeroMQ
-        # socket that aborts the process when two threads send at once)
-        self._setup_lock = threading.Lock()
+        # the actor serves calls in threads (max_concurrency): one collective_rpc at a time
+        # (``_rpc``); vLLM's client of a multiprocess engine (TP > 1) is a ZeroMQ socket that
+        # aborts the process when two threads send at once. Callers that need an order keep it.
+        self._rpc_lock = threading.Lock()
         self.asleep: set[str] = set()  # on a GPU: what of vLLM's memory sleeps
         self.incarnation = 0  # bumps at every (re)start: senders re-attach to new buffers
         self.llm = None
@@ -83,10 +83,15 @@ class RolloutEngine:
                        distributed_executor_backend="mp" if a["tp_size"] > 1 else None,
                        **lora, **backend.rollout_kwargs(a["gpu_memory_utilization"], a["kv_cache_gib"],
                                                         a["max_model_len"]))
-        self.prepared = self.llm.collective_rpc(  # served adapters leave the base weights as loaded
+        self.prepared = self._rpc(  # served adapters leave the base weights as loaded
             "erl_prepare", args=(self.model_path, "lora" if self.lora_rank else self.cpu_mode))[0]
         self.start_seconds = time.time() - t0
         self.incarnation += 1
+
+    def _rpc(self, method: str, args: tuple = ()) -> list:
+        """``method`` on every worker of the engine (``worker_ext``), one call at a time."""
+        with self._rpc_lock:
+            return self.llm.collective_rpc(method, args=args)
 
     def info(self) -> dict:
         import ray
@@ -148,7 +153,7 @@ class RolloutEngine:
         return self.incarnation
 
     def finish_sync(self, version: int) -> None:
-        self.llm.collective_rpc("erl_finish")
+        self._rpc("erl_finish")
         # Cached prefixes hold keys/values of the old weights (FACTS: off by up to 4.9 nats).
         self.llm.reset_prefix_cache()
         self.gate.finish(version)
@@ -156,52 +161,48 @@ class RolloutEngine:
     def load_shm(self, path: str, nbytes: int, metas: list, adapter: dict | None = None) -> int:
         """A staged bucket of weights, or (``adapter``: its peft config) the adapter's tensors.
         The sender has two in flight (one per staging buffer)."""
-        with self._setup_lock:
-            return self.llm.collective_rpc("erl_load_shm", args=(path, nbytes, metas, adapter))[0]
+        return self._rpc("erl_load_shm", args=(path, nbytes, metas, adapter))[0]
 
     def copy_plans(self) -> list[dict]:
         """Per worker, in tensor-parallel rank order: where each checkpoint tensor lands in it.
         Every trainer rank asks at once: the first records them, the others get them."""
-        with self._setup_lock:
-            return self.llm.collective_rpc("erl_copy_plans", args=(self.model_path,))
+        return self._rpc("erl_copy_plans", args=(self.model_path,))
 
     def share_weights(self) -> list[dict]:
         """Per worker: its parameters in one buffer a process on this node can map (shm or ipc)."""
-        with self._setup_lock:
-            return self.llm.collective_rpc("erl_share_weights")
+        return self._rpc("erl_share_weights")
 
     def expect(self, schedules: dict) -> None:
         """What each worker receives from which sender at every sliced broadcast sync."""
-        self.llm.collective_rpc("erl_expect", args=(schedules,))
+        self._rpc("erl_expect", args=(schedules,))
 
     def load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list,
                     counts: list | None = None) -> int:
         """One bucket of a sliced ``ipc`` sync into worker ``worker`` (senders take turns)."""
-        with self._setup_lock:
-            return sum(self.llm.collective_rpc("erl_load_pieces", args=(worker, sender, slot, handle, bucket, counts)))
+        return sum(self._rpc("erl_load_pieces", args=(worker, sender, slot, handle, bucket, counts)))
 
     def receive(self, delta: bool = False) -> int:
         """One sliced broadcast sync: every worker takes its buckets from its senders."""
-        return sum(self.llm.collective_rpc("erl_receive", args=(delta,)))
+        return sum(self._rpc("erl_receive", args=(delta,)))
 
     def release_shm(self, path: str) -> None:
-        self.llm.collective_rpc("erl_release_shm", args=(path,))
+        self._rpc("erl_release_shm", args=(path,))
 
     def join_group(self, addr: str, port: int, rank_offset: int, world_size: int, backend_name: str,
                    timeout_s: int) -> None:
-        self.llm.collective_rpc("erl_join_group", args=(addr, port, rank_offset, world_size, backend_name, timeout_s))
+        self._rpc("erl_join_group", args=(addr, port, rank_offset, world_size, backend_name, timeout_s))
 
     def load_broadcast(self, metas: list, nbytes: int, adapter: dict | None = None) -> int:
-        return self.llm.collective_rpc("erl_load_broadcast", args=(metas, nbytes, adapter))[0]
+        return self._rpc("erl_load_broadcast", args=(metas, nbytes, adapter))[0]
 
     def leave_group(self) -> None:
-        self.llm.collective_rpc("erl_leave_group")
+        self._rpc("erl_leave_group")
 
     def load_files(self, folder: str, adapter: dict | None = None) -> int:
-        return self.llm.collective_rpc("erl_load_files", args=(folder, adapter))[0]
+        return self._rpc("erl_load_files", args=(folder, adapter))[0]
 
     def worker_weights(self, digest: bool = False) -> list[dict]:
-        return self.llm.collective_rpc("erl_state_dict", args=(digest,))
+        return self._rpc("erl_state_dict", args=(digest,))
 
     # --- hybrid engine ------------------------------------------------------------------
     def sleep(self) -> dict:
@@ -237,7 +238,7 @@ class RolloutEngine:
     def _shutdown(self) -> None:
         if self.llm is None:
             return
-        self.llm.collective_rpc("erl_release_all")
+        self._rpc("erl_release_all")
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()  # multi-process engines hang at exit without it
@@ -251,7 +252,7 @@ class RolloutEngine:
         shared-memory buffers (vLLM's teardown, set off by dropping the engine, runs three full
         collections and frees nothing that the process's end does not)."""
         if self.args["tp_size"] == 1 and self.llm is not None:
-            self.llm.collective_rpc("erl_release_all")
+            self._rpc("erl_release_all")
         else:
             self._shutdown()
 

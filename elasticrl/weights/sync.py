@@ -502,11 +502,12 @@ class WeightSender:
     def _send_broadcast(self, params, size: int, adapter: dict | None = None) -> None:
         self._ensure_group(1)
         buf = torch.empty(size, dtype=torch.uint8, device=backend.current_device())
-        refs = []
         for metas, nbytes in _fill_buckets(params, [buf], size):
-            refs += [e.load_broadcast.remote(metas, nbytes, adapter) for e in self.engines]
+            refs = [e.load_broadcast.remote(metas, nbytes, adapter) for e in self.engines]
             broadcast(self._group, buf[:nbytes])
-        ray.get(refs)
+            # one bucket in flight: an engine serves calls in threads, and each call takes the
+            # next broadcast, so a second one could take this bucket's bytes under its metas
+            ray.get(refs)
 
     # --- files --------------------------------------------------------------------------
     def _send_files(self, params, size: int, adapter: dict | None = None) -> int:

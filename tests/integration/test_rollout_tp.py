@@ -62,10 +62,13 @@ def test_tp2_engine_holds_vllm_slices_and_scores_like_the_trainer(tp_pool, train
     assert tp_pool.infos[0]["tp_size"] == 2
     _, _, heads, kv_heads, _ = PRESETS["2m"]
     assert heads % 2 == 0 and kv_heads % 2 == 0
-    for version, transport in enumerate(("broadcast", "shm", "shm_staged", "files"), start=1):
+    # gathered broadcast: rank 0 sends every tensor whole, bucket after bucket (1 MB), into both workers
+    for version, (transport, layout) in enumerate((("broadcast", "auto"), ("broadcast", "gathered"), ("shm", "auto"),
+                                                   ("shm_staged", "auto"), ("files", "auto")), start=1):
         trainer.call("train_step", version)
-        trainer.call("attach_rollout", tp_pool.engines, tp_pool.infos, transport, 1, str(tmp_path))
-        trainer.call("sync_weights", version)
+        trainer.call("attach_rollout", tp_pool.engines, tp_pool.infos, transport, 1, str(tmp_path), layout)
+        stats = trainer.call("sync_weights", version)[0]
+        assert stats["sync/layout"] == ("gathered" if layout == "gathered" else "sliced") or transport != "broadcast"
         trainer.call("detach_rollout")
         expected = trainer.call("__ray_call__", lambda w: _trainer_logprobs(w, PROBE))[0]
         got, versions = tp_pool.score(PROBE)
