@@ -10,7 +10,9 @@ rounds takes effect mid-sequence, and an engine lost in a round hands its sample
 far, to the others. A step trains on the first ``rl.prompts_per_step`` groups that finished (in
 the order they were drawn): a batch no longer waits for the longest sample of its prompts,
 which go on into later batches. A token may lag the trained policy by ``rl.max_staleness``
-versions; a sample with an older token starts over (``rl/regenerated`` counts them).
+versions; a sample with an older token starts over (``rl/regenerated`` counts them). With an
+environment the samples are episodes (``episodes.StreamTurns``): a round extends each within its
+turn, and a turn that ends steps the episode's environment.
 
 Rounds run while the trainers train (``segment``), until the next batch is ready: how many is
 decided by the samples, not the clock, and each request is seeded by the sample, its life and
@@ -24,6 +26,7 @@ import threading
 import zlib
 from dataclasses import asdict, dataclass, field
 
+from elasticrl.rollout.episodes import episode_sample
 from elasticrl.rollout.sample import Sample
 
 
@@ -39,6 +42,24 @@ class Item:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token: the weight version that produced it
     finish: str | None = None  # 'stop' or 'length' once finished
+    # an episode (rollout.environment: ``StreamTurns``): tokens hold the model's and the
+    # observations' after its prompt (mask True on the model's), logprobs and versions the model's
+    prompt_ids: list[int] | None = None  # its environment's first messages rendered, once started
+    mask: list[bool] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)  # the model's tokens of the turn under way
+    messages: list = field(default_factory=list)
+    tools: list = field(default_factory=list)
+    text: str = ""             # the model's last finished turn
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    retries: int = 0
+    reward: float = 0.0        # the environment's, summed over turns
+    error: str | None = None
+    truncated: bool = False
+
+    def start_over(self) -> None:
+        self.__dict__.update(Item(self.group, self.record, self.j, life=self.life + 1).__dict__)
 
 
 class Stream:
@@ -46,10 +67,12 @@ class Stream:
 
     EMPTY = {"items": [], "groups": 0, "regenerated": 0, "rounds": 0}  # the ``state`` of a new stream
 
-    def __init__(self, spec, prompt_ids, decode):
-        """``prompt_ids``: record index -> token ids; ``decode``: token ids -> text."""
+    def __init__(self, spec, prompt_ids, decode, episodes=None):
+        """``prompt_ids``: record index -> token ids; ``decode``: token ids -> text;
+        ``episodes``: a ``StreamTurns`` when the samples are episodes."""
         rl = spec.rl
         self.rl, self.seed, self.prompt_ids, self.decode = rl, spec.seed, prompt_ids, decode
+        self.episodes = episodes
         self.capacity = rl.prompts_per_step * (rl.max_staleness + 1)
         self.items: list[Item] = []
         self.ids: dict[int, list[int]] = {}  # record -> prompt ids, encoded by the driver's thread
@@ -84,8 +107,7 @@ class Stream:
         """Samples with a token more than rl.max_staleness versions behind ``version`` start over."""
         for i in self.items:
             if i.versions and min(i.versions) < version - self.rl.max_staleness:
-                i.tokens, i.logprobs, i.versions, i.finish = [], [], [], None
-                i.life += 1
+                i.start_over()
                 self.regenerated += 1
 
     def take(self, version: int) -> tuple[list[int], list[Sample], dict]:
@@ -97,13 +119,16 @@ class Stream:
         self.items = [i for i in self.items if i.group not in order]
         self.ids = {i.record: self.ids[i.record] for i in self.items}
         records = [next(i.record for i in taken if i.group == g) for g in chosen]
-        samples = [Sample(order[i.group], i.tokens, i.logprobs, self.decode(i.tokens), i.finish, min(i.versions),
+        talk = self.episodes
+        samples = [episode_sample(order[i.group], i, min(i.versions, default=version), i.versions) if talk else
+                   Sample(order[i.group], i.tokens, i.logprobs, self.decode(i.tokens), i.finish, min(i.versions),
                           versions=i.versions) for i in taken]
         lags = [version - v for i in taken for v in i.versions]
-        info = {"rollout/rounds": self.rounds, "rl/regenerated": self.regenerated,
+        info = {**(talk.taken(taken) if talk else {}),
+                "rollout/rounds": self.rounds, "rl/regenerated": self.regenerated,
                 "rollout/carried": sum(1 for i in self.items if i.tokens),
                 "rl/versions_per_sample": sum(len(set(i.versions)) for i in taken) / len(taken),
-                "rl/token_staleness_max": max(lags),
+                "rl/token_staleness_max": max(lags, default=0),
                 **{f"rl/token_staleness/{k}": lags.count(k) / len(lags) for k in sorted(set(lags))}}
         self.regenerated = self.rounds = 0
         return records, samples, info
@@ -111,30 +136,44 @@ class Stream:
     # --- the rounds ---------------------------------------------------------------------
     def round(self, pool) -> None:
         """Every unfinished sample one chunk further, on the engines' current weights."""
-        rl = self.rl
+        rl, talk = self.rl, self.episodes
         todo = [i for i in self.items if i.finish is None]
+        if talk:
+            todo = talk.live(todo, rl.max_new_tokens)
         if not todo:
             return
-        prompts = [self.ids[i.record] + i.tokens for i in todo]
+        prompts = [(i.prompt_ids if talk else self.ids[i.record]) + i.tokens for i in todo]
         seeds = [zlib.crc32(f"{self.seed}/{i.group}/{i.j}/{i.life}/{len(i.tokens)}".encode()) for i in todo]
         sampling = {"n": 1, "temperature": rl.temperature, "top_p": rl.top_p,
                     **({"top_k": rl.top_k} if rl.top_k else {}), **({"ignore_eos": True} if rl.ignore_eos else {})}
         # one request per chunk length (the samples' room left, and min_tokens still owed)
+        # (an episode's budgets are its turn's)
+        made = [len(i.turn) if talk else len(i.tokens) for i in todo]
         shapes: dict[tuple, list[int]] = {}
         for k, i in enumerate(todo):
-            room = min(rl.chunk_tokens, rl.max_new_tokens - len(i.tokens))
-            shapes.setdefault((room, max(0, min(rl.min_tokens - len(i.tokens), room))), []).append(k)
+            room = min(rl.chunk_tokens, rl.max_new_tokens - made[k])
+            shapes.setdefault((room, max(0, min(rl.min_tokens - made[k], room))), []).append(k)
+        ended = []
         for (room, least), ks in shapes.items():
             out = pool.generate([prompts[k] for k in ks], {**sampling, "max_tokens": room,
                                                            **({"min_tokens": least} if least else {}),
                                                            "seeds": [seeds[k] for k in ks]})
             for r in out:
-                i = todo[ks[r.prompt_index]]
+                k = ks[r.prompt_index]
+                i = todo[k]
                 i.tokens += r.token_ids
                 i.logprobs += r.logprobs
                 i.versions += [r.weight_version] * len(r.token_ids)
-                if r.finish_reason == "stop" or len(i.tokens) >= rl.max_new_tokens:
-                    i.finish = "stop" if r.finish_reason == "stop" else "length"
+                if talk:
+                    i.turn += r.token_ids
+                    i.mask += [True] * len(r.token_ids)
+                if r.finish_reason == "stop" or made[k] + len(r.token_ids) >= rl.max_new_tokens:
+                    ended.append((i, "stop" if r.finish_reason == "stop" else "length"))
+        if talk:
+            talk.turns_ended(ended)
+        else:
+            for i, reason in ended:
+                i.finish = reason
         self.rounds += 1
 
     def arm(self) -> None:
@@ -161,3 +200,6 @@ class Stream:
         self.items = [Item(**i) for i in state["items"]]
         self.ids = {i.record: self.prompt_ids[i.record] for i in self.items}
         self.groups, self.regenerated, self.rounds = state["groups"], state["regenerated"], state["rounds"]
+        for i in self.episodes.replay(self.items) if self.episodes else ():
+            i.start_over()  # its environment answered otherwise than before
+            self.regenerated += 1

@@ -374,9 +374,6 @@ def _check_rl(spec: JobSpec) -> None:
                                               f"({rl.max_new_tokens}): the punishment starts that many tokens before "
                                               "the limit")
     ro = spec.rollout
-    if ro.environment and rl.fully_async:
-        raise SpecError("rl.fully_async", "streams single completions; episodes (rollout.environment) roll out "
-                                          "whole, a batch ahead with rl.async_rollout; set rl.fully_async: false")
     remote = (ro.environment or "").startswith(("http://", "https://"))
     named = [("rollout.environment", "" if remote else ro.environment or "", " or an http(s) URL"),
              ("rollout.tool_parser", "" if ro.tool_parser == "hermes" else ro.tool_parser, " or hermes"),

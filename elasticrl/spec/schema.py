@@ -275,7 +275,8 @@ class RLSpec:
         "With rl.async_rollout: the engines generate continuously from a queue of prompt groups, a step trains "
         "on the first rl.prompts_per_step groups that finished, weight updates reach samples in flight between "
         "rounds of rl.chunk_tokens tokens, and each token keeps the weight version that produced it (no batch "
-        "waits for its longest sample; checkpoints hold the samples in flight).", False)
+        "waits for its longest sample; checkpoints hold the samples in flight). With rollout.environment the "
+        "samples are episodes, a turn spanning rounds and the environment stepping as each turn ends.", False)
     chunk_tokens: int = doc("rl.fully_async: tokens a sample gains per round, between which weight updates land.",
                             32, min=1)
     fully_async_rounds: Literal["until_ready", "until_trained"] = doc(

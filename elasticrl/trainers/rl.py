@@ -39,7 +39,7 @@ from elasticrl.models import load_tokenizer
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rewards.verifiers import full_marks
-from elasticrl.rollout.episodes import run_episodes
+from elasticrl.rollout.episodes import StreamTurns, run_episodes
 from elasticrl.rollout.pool import sampling_params
 from elasticrl.rollout.sample import Sample
 from elasticrl.rollout.stream import Stream
@@ -185,10 +185,15 @@ def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
 
 def _train_run(run: Run, resume: Resume) -> dict:
     spec, roles = run.spec, run.roles
-    run.stream = Stream(spec, run.prompt_ids, lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)) \
-        if spec.rl.fully_async else None
     if spec.rollout.environment and spec.rl.async_rollout:  # (a fast tokenizer is not for two threads at once)
         run.thread_tokenizer = copy.deepcopy(run.tokenizer)
+    if spec.rl.fully_async:
+        rl = spec.rl
+        turns = StreamTurns(run.envs, run.thread_tokenizer, run.prompts, rl.samples_per_prompt, rl.max_turns,
+                            rl.max_episode_tokens or spec.rollout.max_model_len, spec.rollout.max_model_len) \
+            if spec.rollout.environment else None
+        run.stream = Stream(spec, run.prompt_ids, lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True),
+                            turns)
     start = resume_state(run, resume) if resume.folder else 0
     transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
                                   str(run.output / "weights"))

@@ -11,6 +11,7 @@ from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
 from tests.conftest import EXAMPLES, SEED
+from tests.integration.test_resume import SAME
 from tests.integration.test_rl import BASE, HF_ENGINE, assert_acid_test
 
 pytestmark = pytest.mark.slow
@@ -156,3 +157,50 @@ def test_ppo_on_episodes_rolled_out_a_step_ahead_scores_the_environments_rewards
     assert all(e["messages"][0]["role"] == "user" and e["messages"][1]["role"] == "assistant" for e in shown)
     assert any(m["role"] == "tool" for e in shown for m in e["messages"])
 
+
+
+def test_fully_async_episodes_go_on_across_rounds_and_updates_and_a_resume_replays_their_environments(
+        ray_cluster, tmp_path):
+    """rl.fully_async on episodes (GRPO on the transformers engine; Chatty's 2-4 turns, at most
+    3; turns of up to 6 tokens generated in rounds of 2, so a turn spans rounds, and an episode
+    weight updates; a token at most 2 versions behind). The checkpoint after step 2 holds episodes in
+    flight: part-way through a turn, or between turns with the observation's tokens in, each
+    token-exact (its mask read off the template's rendering). A run resumed from it starts new
+    environment processes, replays each episode's turns to them and repeats steps 3 and 4."""
+    import shutil
+
+    from elasticrl.models import load_tokenizer
+
+    sets = BASE + [SEED, "train.num_ranks=1", "rl.num_steps=4", "rl.temperature=0.7", "rl.max_turns=3",
+                   "rollout.max_model_len=128", "rewards.workers=1", "rl.async_rollout=true", "rl.fully_async=true",
+                   "rl.chunk_tokens=2", "rl.max_staleness=2", "checkpoint.every_steps=2", "checkpoint.resume=auto",
+                   "eval.enabled=false", "rollout.environment=tests.integration.environments:Chatty", HF_ENGINE]
+    spec = load_spec(EXAMPLES / "tiny_grpo.yaml", sets)
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    run_rl(spec, first)
+    rows = {r["step"]: r for r in map(json.loads, (first / "metrics.jsonl").read_text().splitlines())}
+    for step in (1, 2, 3, 4):
+        r = rows[step]
+        assert 1 <= r["episode/turns"] <= 3 and r["time/environment"] > 0 and r["rl/token_staleness_max"] <= 2
+        assert r["episode/reward"] > 0 and r["reward/mean"] == pytest.approx(r["episode/reward"] + r["accuracy"])
+    stream = json.loads((first / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())["stream"]
+    items = stream["items"]
+    for i in items:
+        assert len(i["mask"]) == len(i["tokens"]) and sum(i["mask"]) == len(i["logprobs"]) == len(i["versions"])
+    assert any(i["turn"] and i["finish"] is None for i in items)  # part-way through a turn
+    assert any(len(set(i["versions"])) > 1 for i in items)  # turns on weights of two versions
+    assert any(i["turns"] and m["role"] == "tool" for i in items if i["finish"] is None for m in i["messages"])
+    tok = load_tokenizer(initial_model(spec))
+    done = [i for i in items if i["finish"] == "stop" and i["error"] is None]
+    assert done
+    for i in done:
+        said = i["messages"] + [{"role": "assistant", "content": i["text"]}]
+        assert i["mask"] == _expected_mask(tok, i["prompt_ids"], said, i["tokens"], True)
+    shutil.copytree(first / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(rows[s]) + "\n" for s in (1, 2)))
+    run_rl(spec, resumed)
+    again = {r["step"]: r for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())}
+    for step in (3, 4):  # step 4 trains on episodes that were between turns at the checkpoint
+        same = [k for k in rows[step] if k in SAME or k.startswith(("episode/", "rl/", "rollout/rounds",
+                                                                     "rollout/carried"))]
+        assert len(same) > 20 and {k: again[step].get(k) for k in same} == {k: rows[step][k] for k in same}

@@ -106,8 +106,6 @@ BAD = [
      "rollout.environment: 'envs.Calculator' is not an import path; write package.module:name"),
     ({"algorithm": "grpo", "rollout": {"tools": ["tools:add"]}}, [],
      "rollout.tools: tools are offered in multi-turn episodes: set rollout.environment"),
-    ({"algorithm": "grpo", "rollout": {"environment": "envs:Env"}, "rl": {"async_rollout": True, "fully_async": True}},
-     [], "rl.fully_async: streams single completions; episodes (rollout.environment) roll out whole"),
     ({"algorithm": "dpo", "rollout": {"environment": "envs:Env"}}, [],
      "rollout.environment: multi-turn episodes train with the RL algorithms (grpo, ppo, reinforce++, rloo), not dpo"),
     ({"model": {"lora": {"quantize": "nf4"}}}, [], "model.lora.quantize: quantizes the frozen base of LoRA adapters: "
