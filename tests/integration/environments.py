@@ -73,3 +73,13 @@ class Killer(Chatty):
                 pass
             self.victim = None
         return super().step(text)
+
+
+class Moody(Chatty):
+    """Chatty whose tool messages are random: told the same turns again, it answers otherwise."""
+
+    def step(self, text: str) -> dict:
+        out = super().step(text)
+        for m in out["messages"]:
+            m["content"] += f" ({os.urandom(4).hex()})"
+        return out

@@ -1,8 +1,12 @@
 """rl.fully_async's queue by hand: which groups a batch takes, which samples start over, what
-a checkpoint keeps (the rounds themselves run on real engines in test_faults.py)."""
+a checkpoint keeps and how a restored one's episodes meet their environments again (the rounds
+themselves run on real engines in test_faults.py and test_agents.py)."""
 from __future__ import annotations
 
+from dataclasses import asdict
 from types import SimpleNamespace
+
+import pytest
 
 from elasticrl.rollout.stream import Item, Stream
 
@@ -56,3 +60,38 @@ def test_a_batch_takes_the_first_finished_groups_and_stale_samples_start_over():
     assert t.items == s.items and t.groups == 6 and t.ids == s.ids
     t.restore(Stream.EMPTY)
     assert t.items == [] and t.groups == 0
+
+
+@pytest.mark.parametrize("env, replayed", [("Chatty", True), ("Moody", False)])
+def test_a_restored_stream_tells_each_episodes_environment_its_turns_again(env, replayed):
+    """A checkpoint's episodes in flight, restored: each started one's environment (a real
+    process) starts again and is told the model's turns so far. Chatty answers as it did, so the
+    episode goes on where it was; Moody's answers are random, so its episode starts over
+    (counted). An episode not yet started, and a finished one, are left alone."""
+    from elasticrl.envs.pool import EnvironmentPool
+    from elasticrl.rollout.episodes import StreamTurns
+
+    envs = EnvironmentPool({"environment": f"tests.integration.environments:{env}", "tools": [], "parser": "hermes",
+                            "timeout_s": 5, "retries": 0}, timeout_s=30, workers=1)
+    rows = {10: {"prompt": "abcd"}}  # Chatty: 1 + 4 % 3 = 2 turns answered, then done
+    s = _stream()
+    s.episodes = StreamTurns(envs, None, rows, 2, 3, 64, 64)
+    try:
+        first = [envs.ask([op])[0] for op in ({"op": "start", "id": 0, "row": rows[10]},
+                                              {"op": "step", "id": 0, "text": "hi"})]
+        said = first[0]["messages"] + [{"role": "assistant", "content": "hi"}, *first[1]["messages"]]
+        live = Item(0, 10, 0, tokens=[1, 2, 3], logprobs=[-0.1, -0.2], versions=[0, 0], mask=[True, False, True],
+                    prompt_ids=[100], turn=[3], messages=said, text="hi", turns=1)
+        fresh, done = Item(0, 10, 1), Item(1, 11, 0, tokens=[4], logprobs=[-1.0], versions=[0], finish="stop")
+        state = {"items": [asdict(i) for i in (live, fresh, done)], "groups": 2, "regenerated": 0, "rounds": 0}
+        s.restore(state)
+        assert s.items[1:] == [fresh, done]
+        if replayed:
+            assert s.items[0] == live and s.regenerated == 0
+            # its environment is where the episode was: one more turn answered, then done
+            probe = [envs.ask([{"op": "step", "id": StreamTurns.ID_BASE, "text": "x"}])[0]["done"] for _ in "12"]
+            assert probe == [False, True]
+        else:
+            assert s.items[0] == Item(0, 10, 0, life=1) and s.regenerated == 1
+    finally:
+        envs.close()
