@@ -25,13 +25,13 @@ from elasticrl.envs.pool import EnvironmentPool
 from elasticrl.rollout.sample import Sample
 
 
-@dataclass
-class Episode:
-    row: dict
-    seed: int
+@dataclass(kw_only=True)
+class Conversation:
+    """An episode as far as it got: what ``run_episodes``' episodes and the stream's samples
+    (``stream.Item``) share."""
     messages: list = field(default_factory=list)   # the conversation so far (the model's turns as text)
     tools: list = field(default_factory=list)      # the tools' JSON schemas, as offered
-    prompt_ids: list = field(default_factory=list)
+    prompt_ids: list | None = None                 # its first messages rendered, once its environment started
     tokens: list = field(default_factory=list)     # everything after the prompt: model and observation tokens
     mask: list = field(default_factory=list)       # True on the model's tokens
     logprobs: list = field(default_factory=list)   # the engine's, of the model's tokens
@@ -40,12 +40,18 @@ class Episode:
     tool_errors: int = 0
     retries: int = 0                               # a remote environment's requests retried
     reward: float = 0.0                            # the environment's, summed over turns
-    version: int | None = None                     # the oldest weights that generated a turn
-    text: str = ""                                 # the model's last turn
+    text: str = ""                                 # the model's last finished turn
     finish: str | None = None
-    done: bool = False
     truncated: bool = False
     error: str | None = None
+
+
+@dataclass
+class Episode(Conversation):
+    row: dict
+    seed: int
+    version: int | None = None                     # the oldest weights that generated a turn
+    done: bool = False
 
 
 def render(tokenizer, messages: list[dict], tools: list, generation: bool) -> str:
@@ -53,7 +59,7 @@ def render(tokenizer, messages: list[dict], tools: list, generation: bool) -> st
                                          add_generation_prompt=generation)
 
 
-def observation_ids(tokenizer, e: Episode, generated: list[int], observation: list[dict]) -> list[int]:
+def observation_ids(tokenizer, e: Conversation, generated: list[int], observation: list[dict]) -> list[int]:
     """The tokens after the model's turn up to the model's next one: what the template adds
     after the model's own tokens (its end of turn, where the model did not generate all of
     it), the observation's messages, and the next generation prompt."""
@@ -70,23 +76,23 @@ def observation_ids(tokenizer, e: Episode, generated: list[int], observation: li
     return tokenizer(tail + after[len(closed):], add_special_tokens=False)["input_ids"]
 
 
-def opened(tokenizer, e, got) -> bool:
+def opened(tokenizer, e: Conversation, got) -> bool:
     """The environment's start ``got`` (its first messages and tools, or an error) into the
     episode ``e``; whether it can go on."""
     if isinstance(got, str):
-        e.error, e.truncated = got, True
+        e.error, e.truncated, e.prompt_ids = got, True, []
         return False
     e.messages, e.tools = got["messages"], got["tools"]
     e.prompt_ids = tokenizer(render(tokenizer, e.messages, e.tools, True), add_special_tokens=False)["input_ids"]
     return True
 
 
-def has_room(e, budget: int, max_tokens: int, max_model_len: int) -> bool:
+def has_room(e: Conversation, budget: int, max_tokens: int, max_model_len: int) -> bool:
     """Whether a turn of ``budget`` tokens fits the episode's model length and token budget."""
     return len(e.prompt_ids) + len(e.tokens) + budget <= max_model_len and len(e.tokens) + budget <= max_tokens
 
 
-def answered(tokenizer, e, generated: list[int], got, last: bool) -> bool:
+def answered(tokenizer, e: Conversation, generated: list[int], got, last: bool) -> bool:
     """The environment's reply ``got`` to the model's turn (its ``generated`` tokens, its text
     ``e.text``) into the episode: its figures, and the observation's tokens where it goes on
     (past the ``last`` turn allowed, no observation is needed); whether it goes on."""
@@ -107,7 +113,7 @@ def answered(tokenizer, e, generated: list[int], got, last: bool) -> bool:
     return True
 
 
-def episode_sample(index: int, e, version: int, versions: list[int] | None = None) -> Sample:
+def episode_sample(index: int, e: Conversation, version: int, versions: list[int] | None = None) -> Sample:
     """A finished episode as the trainers take it."""
     return Sample(index, e.tokens, e.logprobs, e.text, e.finish, version, mask=e.mask, prompt_ids=e.prompt_ids,
                   versions=versions, episode={
@@ -160,8 +166,8 @@ def run_episodes(pool, envs: EnvironmentPool, tokenizer, rows: list[dict], sampl
     return [episode_sample(k // n, e, e.version or 0) for k, e in enumerate(eps)], episode_info(eps, t_env)
 
 
-def episode_info(eps: list, t_env: float) -> dict:
-    """The figures of finished episodes (``Episode``s, or the stream's items)."""
+def episode_info(eps: list[Conversation], t_env: float) -> dict:
+    """The figures of finished episodes."""
     count = max(1, len(eps))
     return {"episode/turns": sum(e.turns for e in eps) / count,
             "episode/tool_calls": sum(e.tool_calls for e in eps) / count,
@@ -207,7 +213,7 @@ class StreamTurns:
         new = [i for i in items if i.prompt_ids is None]
         for i, got in zip(new, self._start(new)):
             if not opened(self.tokenizer, i, got):
-                i.prompt_ids, i.finish = [], "stop"
+                i.finish = "stop"
         for i in items:
             if i.finish is None and not i.turn and not has_room(i, budget, self.max_tokens, self.max_model_len):
                 i.finish, i.truncated = "length", True

@@ -26,37 +26,23 @@ import threading
 import zlib
 from dataclasses import asdict, dataclass, field
 
-from elasticrl.rollout.episodes import episode_sample
+from elasticrl.rollout.episodes import Conversation, episode_sample
 from elasticrl.rollout.sample import Sample
 
 
 @dataclass
-class Item:
-    """One sample of a prompt group, as far as it got."""
+class Item(Conversation):
+    """One sample of a prompt group, as far as it got. An episode's (rollout.environment:
+    ``StreamTurns``) tokens hold the model's and the observations' after its prompt (mask True on
+    the model's), logprobs and versions the model's; a plain sample leaves the conversation's
+    other fields empty."""
 
     group: int                 # the group's number in the run's draw order
     record: int                # its prompt's record index
     j: int                     # which of the group's samples
     life: int = 0              # times it started over (too stale)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token: the weight version that produced it
-    finish: str | None = None  # 'stop' or 'length' once finished
-    # an episode (rollout.environment: ``StreamTurns``): tokens hold the model's and the
-    # observations' after its prompt (mask True on the model's), logprobs and versions the model's
-    prompt_ids: list[int] | None = None  # its environment's first messages rendered, once started
-    mask: list[bool] = field(default_factory=list)
-    turn: list[int] = field(default_factory=list)  # the model's tokens of the turn under way
-    messages: list = field(default_factory=list)
-    tools: list = field(default_factory=list)
-    text: str = ""             # the model's last finished turn
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    retries: int = 0
-    reward: float = 0.0        # the environment's, summed over turns
-    error: str | None = None
-    truncated: bool = False
+    turn: list[int] = field(default_factory=list)      # an episode's: the model's tokens of the turn under way
 
     def start_over(self) -> None:
         self.__dict__.update(Item(self.group, self.record, self.j, life=self.life + 1).__dict__)

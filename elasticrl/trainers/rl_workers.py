@@ -82,9 +82,8 @@ class ActorWorker(_TrainedRole):
     @torch.no_grad()
     def logprobs(self, batch: Experience, model=None) -> dict:
         """Log-probs of this rank's rows under the current policy, or ``model`` (shifted layout)."""
-        T, model = self.spec.rl.temperature, self.core.engine if model is None else model
-        share, lp = self._forward_all(batch, lambda mb: token_logprobs(
-            model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels, T))
+        T = self.spec.rl.temperature
+        share, lp = self._forward_all(batch, lambda mb: token_logprobs(self._logits(mb, model), mb.labels, T))
         return rows_reply(share, "logprobs", lp, self.core.is_dp_leader)
 
     @torch.no_grad()
@@ -97,8 +96,10 @@ class ActorWorker(_TrainedRole):
         with self.core.engine.module.disable_adapter():
             return self.logprobs(batch)
 
-    def _logits(self, mb: Experience) -> torch.Tensor:
-        return self.core.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    def _logits(self, mb: Experience, model=None) -> torch.Tensor:
+        """The logits of the policy, or of ``model``."""
+        model = self.core.engine if model is None else model
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
 
     def train(self, batch: Experience, step: int) -> dict:
         """PPO epochs over the batch; returns mean stats over this rank's micro-batches."""
