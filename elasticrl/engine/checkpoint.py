@@ -286,8 +286,8 @@ def export_adapters(engine, tokenizer, folder: str | Path) -> None:
     """Write a peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, the
     tokenizer) of a LoRA-trained model into ``folder``: the adapters only, in fp32, which peft
     and vLLM load onto the base; rank 0 writes (the adapters are small). Collective."""
+    from elasticrl.weights.params import adapter_tensors
     from elasticrl.weights.shards import write_safetensors
-    from elasticrl.weights.sync import adapter_tensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -302,12 +302,12 @@ def export_adapters(engine, tokenizer, folder: str | Path) -> None:
 def export_merged(engine, tokenizer, folder: Path, max_shard_bytes: int, dtype) -> None:
     """A LoRA-trained model as a plain Hugging Face folder, its adapters merged into the base
     weights (``export.merge``): the weights the engines get under ``rollout.lora_sync: merged``
-    (``weights.sync.iter_full_params``: ZeRO-3 gathers one module at a time), written by rank 0
+    (``weights.params.iter_full_params``: ZeRO-3 gathers one module at a time), written by rank 0
     a shard at a time. Collective."""
     import torch.distributed as dist
 
+    from elasticrl.weights.params import iter_full_params
     from elasticrl.weights.shards import shard_names, write_index, write_safetensors
-    from elasticrl.weights.sync import iter_full_params
 
     rank0 = dist.get_rank() == 0
     folder.mkdir(parents=True, exist_ok=True)

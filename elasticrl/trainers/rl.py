@@ -32,7 +32,7 @@ from elasticrl.algorithms.advantages import ADVANTAGES, last_token_rewards, over
 from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.normalize import masked_whiten
 from elasticrl.cluster import RoleError, ray_session
-from elasticrl.data.records import format_prompt, prompt_answer, prompt_of, prompt_text, read_records, sample_indices
+from elasticrl.data.records import prompt_answer, prompt_text, read_records, sample_indices
 from elasticrl.engine.checkpoint import Resume
 from elasticrl.envs.pool import environments
 from elasticrl.models import load_tokenizer
@@ -72,6 +72,7 @@ from elasticrl.trainers.rl_run import (
     resume_state,
     save,
     score_again_after_frozen_loss,
+    startup_line,
     trained_groups,
 )
 from elasticrl.trainers.warm_start import initial_model, trained_reward_model
@@ -131,17 +132,13 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
         prompts = read_records(paths["prompts"], prompt_answer(spec.data))
         evals = read_records(paths["eval"], prompt_answer(spec.data))
         tok = load_tokenizer(paths["model"], spec.model.trust_remote_code, spec.data.chat_template)
-        prompt_ids, eval_ids = (Encoded(records, lambda r: _encode(spec, tok, r)) for records in (prompts, evals))
+        prompt_ids, eval_ids = (Encoded(records, spec.data, tok) for records in (prompts, evals))
         roles = starting.result()
         summary["placement"] = roles.layout()
         summary["startup"] = up = {"launch_to_ray_s": ray_up and round(ray_up, 1), **roles.startup,
                                    "launch_to_roles_s": round(backend.process_age_s() or 0.0, 1)}
         summary["threads"] = threads = roles.threads()
-        print(f"start-up: launch -> Ray up {up['launch_to_ray_s']} s, every role up at {up['launch_to_roles_s']} s "
-              f"({up['roles_s']} s; " + ", ".join(
-                  f"{role} {' + '.join(f'{k} {v}' for k, v in figures)}" for role, figures in _per_role(up).items())
-              + "); CPU threads per rank: " + ", ".join(f"{r} {n}" for r, n in threads.items()),
-              file=sys.stderr, flush=True)
+        print(startup_line(up, threads), file=sys.stderr, flush=True)
         try:
             evals_used = range(min(len(evals), spec.eval.num_prompts or len(evals)))
             run = Run(spec, roles, rewards, tok, prompts, prompt_ids, evals, [eval_ids[i] for i in evals_used], output,
@@ -155,16 +152,6 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     return summary
 
 
-def _per_role(startup: dict) -> dict[str, list[tuple[str, float]]]:
-    """role -> [(what, seconds)] of ``Roles.startup``'s per-role figures (``actor/import_s`` ...)."""
-    out: dict[str, list] = {}
-    for key, v in startup.items():
-        if "/" in key:
-            role, what = key.split("/")
-            out.setdefault(role, []).append((what.removesuffix("_s").replace("_", " "), v))
-    return out
-
-
 def _check_prompts(spec: JobSpec, path: str) -> None:
     """A user's prompts file, and its first prompt in the chat template, before Ray starts
     (with the embedded model, its tokenizer is built, not the whole world)."""
@@ -175,12 +162,7 @@ def _check_prompts(spec: JobSpec, path: str) -> None:
         tok.chat_template = spec.data.chat_template or tok.chat_template
     else:
         tok = load_tokenizer(spec.model.path, spec.model.trust_remote_code, spec.data.chat_template)
-    _encode(spec, tok, read_records(path, prompt_answer(spec.data), check=True, data=spec.data)[0])
-
-
-def _encode(spec: JobSpec, tok, record: dict) -> list[int]:
-    text = format_prompt(tok, prompt_of(record, spec.data), spec.data.apply_chat_template)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    Encoded(read_records(path, prompt_answer(spec.data), check=True, data=spec.data), spec.data, tok)[0]
 
 
 def _train_run(run: Run, resume: Resume) -> dict:

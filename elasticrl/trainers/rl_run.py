@@ -18,7 +18,7 @@ from elasticrl import backend
 from elasticrl.algorithms.normalize import RunningMoments
 from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable
 from elasticrl.cluster.group import where
-from elasticrl.data.records import Records
+from elasticrl.data.records import Records, format_prompt, prompt_of
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine.checkpoint import Resume, list_checkpoints
 from elasticrl.plan.planner import fewer_ranks
@@ -221,14 +221,15 @@ class Run:
 
 
 class Encoded:
-    """The token ids of a dataset's prompts, encoded when asked for (a large dataset is not
-    tokenised up front, nor held in memory)."""
+    """The token ids of a dataset's prompts (``data``'s prompt, in the chat template where it
+    asks), encoded when asked for (a large dataset is not tokenised up front, nor held in memory)."""
 
-    def __init__(self, records, encode):
-        self.records, self.encode = records, encode
+    def __init__(self, records, data, tokenizer):
+        self.records, self.data, self.tokenizer = records, data, tokenizer
 
     def __getitem__(self, i: int) -> list[int]:
-        return self.encode(self.records[i])
+        text = format_prompt(self.tokenizer, prompt_of(self.records[i], self.data), self.data.apply_chat_template)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def in_background(fn, *args) -> Future:
@@ -359,3 +360,16 @@ def driver_state(run: Run, step: int) -> dict:
 def save(run: Run, step: int) -> None:
     run.checkpoints.save(trained_groups(run.roles), step, driver_state(run, step))
     run.saved_at = time.time()  # the copy stays until the checkpoint is committed (recover takes the newer)
+
+
+def startup_line(up: dict, threads: dict) -> str:
+    """The run's start-up figures (``Roles.startup`` and when Ray and the roles were up) as it
+    prints them, each role's (``actor/import_s`` ...) in turn."""
+    per_role: dict[str, list[str]] = {}
+    for key, v in up.items():
+        if "/" in key:
+            role, what = key.split("/")
+            per_role.setdefault(role, []).append(f"{what.removesuffix('_s').replace('_', ' ')} {v}")
+    return (f"start-up: launch -> Ray up {up['launch_to_ray_s']} s, every role up at {up['launch_to_roles_s']} s "
+            f"({up['roles_s']} s; " + ", ".join(f"{role} {' + '.join(parts)}" for role, parts in per_role.items())
+            + "); CPU threads per rank: " + ", ".join(f"{r} {n}" for r, n in threads.items()))
