@@ -41,7 +41,7 @@ class Conversation:
     retries: int = 0                               # a remote environment's requests retried
     reward: float = 0.0                            # the environment's, summed over turns
     text: str = ""                                 # the model's last finished turn
-    finish: str | None = None
+    finish: str | None = None                      # 'stop' or 'length' once finished
     truncated: bool = False
     error: str | None = None
 
