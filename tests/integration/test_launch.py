@@ -310,7 +310,7 @@ def _node_workers(tmp_path: Path) -> list[tuple[str, int, str]]:
     return out
 
 
-STEPS = 12  # the Slurm PPO job's: its events take about the first 6-8 (the head killed before step 10)
+STEPS = 11  # the Slurm PPO job's: its events take about the first 6-8 (the head killed before step 9)
 # each app role's Ray actors, by the class Ray names their processes after
 ROLE_ACTORS = {"actor": ["ActorWorker"], "critic": ["CriticWorker"], "reference": ["FrozenWorker"],
                "reward": ["FrozenWorker"], "rollout": ["RolloutEngine"]}
