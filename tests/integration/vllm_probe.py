@@ -18,25 +18,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _engine_digest(worker) -> str:
-    """SHA-256 of the engine's parameters (run in its worker by ``collective_rpc``)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in sorted(worker.model_runner.get_model().named_parameters()):
-        h.update(name.encode() + p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _folder_digest(folder: str) -> str:
     """SHA-256 of the tensors in ``folder``'s safetensors files, by name."""
-    import glob
     import hashlib
 
-    from safetensors.torch import load_file
+    from elasticrl.weights.shards import load_sharded
 
-    tensors = {k: v for f in glob.glob(os.path.join(folder, "*.safetensors")) for k, v in load_file(f).items()}
-    h = hashlib.sha256()
+    tensors, h = load_sharded(folder), hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode() + tensors[name].float().numpy().tobytes())
     return h.hexdigest()
@@ -69,13 +57,14 @@ def main(prompts_json: str, *models: str) -> None:
         lora = json.load(open(adapter)) if os.path.isfile(adapter) else None
         digest = None if lora else _folder_digest(model)
         if last is not None and not lora:
-            was, warned = llm.collective_rpc(_engine_digest)[0], _Warnings()
+            was, warned = llm.collective_rpc("erl_state_dict", kwargs={"digest": True})[0], _Warnings()
             logging.getLogger("vllm").addHandler(warned)
             llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
             logging.getLogger("vllm").removeHandler(warned)
             llm.reset_prefix_cache()  # the prompts' cached keys and values are the last folder's
             missing = [w for w in warned.lines if "not loaded" in w]
-            changed, differs = llm.collective_rpc(_engine_digest)[0] != was, digest != last
+            now = llm.collective_rpc("erl_state_dict", kwargs={"digest": True})[0]
+            changed, differs = now != was, digest != last
             if missing or changed != differs:
                 sys.exit(f"{model}: reloaded wrong ({missing or ''} the engine changed: {changed}, "
                          f"the folder differs: {differs})")
@@ -86,7 +75,8 @@ def main(prompts_json: str, *models: str) -> None:
                 cleanup_dist_env_and_memory()  # the next LLM starts its own
             served = {"enable_lora": True, "max_lora_rank": lora_rank_bucket(lora["r"])} if lora else {}
             llm = LLM(model=lora["base_model_name_or_path"] if lora else model, dtype="float32",
-                      enforce_eager=True, seed=0, max_model_len=128, **served)
+                      enforce_eager=True, seed=0, max_model_len=128, **served,
+                      worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver")  # its digests
         last = digest
         outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts_json)], params,
                             lora_request=LoRARequest("trained", 1, model) if lora else None)
