@@ -270,10 +270,14 @@ def run(args) -> dict:
     """One transport with fresh processes; returns its figures."""
     import tempfile
 
-    # a fork server that imported this script (torch, elasticrl) once: each process of each
-    # layout is forked from it in milliseconds, with no CUDA context to inherit
+    # a fork server that imported what this script imports (torch, elasticrl) once: each process
+    # of each layout is forked from it in milliseconds, with no CUDA context to inherit. By
+    # name: Python 3.11's server imports neither "__main__" nor anything from the script's folder
+    # (it is given no path), and each process imported torch itself (1.2-2.5 s a process here)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "elasticrl.backend", "elasticrl.weights.group",
+                                "elasticrl.weights.plan", "elasticrl.weights.receive", "elasticrl.weights.shm",
+                                "elasticrl.weights.slices"])
     results, arena_queue = ctx.Queue(), ctx.Queue()
     queues = ([ctx.Queue() for _ in range(args.receivers)],
               [[ctx.Queue() for _ in range(args.receivers)] for _ in range(args.senders)])
