@@ -122,9 +122,14 @@ def test_what_a_sigkilled_run_left_goes_at_once_and_only_that(tmp_path):
     its reaper (a process of its own, waiting on a pipe from the run) sees the pipe close and
     removes Ray's processes and folder and the engines' buffers within seconds, without a
     next run; unmarked folders are never swept."""
-    proc, folder = _running(tmp_path, 1)
-    run = {proc.pid, *(p for p, _ in _descendants(proc.pid))}
-    shm = [p for p in Path("/dev/shm").glob("elasticrl-*") if shm_owner(p) in run]
+    proc, folder = _running(tmp_path, -1)
+    deadline = time.time() + 300
+    while True:  # the engines move their weights into /dev/shm as they start, before step 1
+        run = {proc.pid, *(p for p, _ in _descendants(proc.pid))}
+        if shm := [p for p in Path("/dev/shm").glob("elasticrl-*") if shm_owner(p) in run]:
+            break
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
     left = _processes_naming(str(folder))  # Ray's own: GCS, raylet, dashboard and runtime-env agents, ...
     other = tmp_path / "erl-ray-not-mine"  # unmarked: never swept
     other.mkdir()

@@ -405,9 +405,13 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
 
     # 3. the joined rollout node cancelled from another shell: it stops the Ray it started, its
     #    engine is lost, and the job goes on with the first
+    # (each wait polls the cheap source, sacct or the head's log, and then asks `elasticrl status`:
+    # a status call is a Python process, ~0.4 s of a core that the job's steps would wait for)
     assert _run(["cancel", engine_app], tmp_path, timeout=120, env=slurm).returncode == 0
+    _until("the rollout node's job CANCELLED in sacct", lambda: "CANCELLED" in subprocess.run(
+        sacct[:-2] + ["State", "-j", engine_job], capture_output=True, text=True, env=env).stdout, 120, every_s=2)
     _until("the rollout node's job CANCELLED", lambda: "CANCELLED" in _run(
-        ["status", engine_app], tmp_path, timeout=120, env=slurm).stdout, 120, every_s=2)
+        ["status", engine_app], tmp_path, timeout=120, env=slurm).stdout, 60, every_s=2)
     _until("its engine lost", lambda: re.search(r"rollout engine \d+ died", _head_log(handle, tmp_path)), 120)
 
     # 4. the head killed after a later checkpoint: Slurm requeues the job, it resumes and finishes
@@ -419,15 +423,17 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
     assert len(heads) == 1 and logged_step(out) < STEPS - 2, (heads, logged_step(out))
     os.kill(heads[0], signal.SIGKILL)
     killed = time.time()
+    _until("the requeued job resuming", lambda: "resuming from checkpoint" in _head_log(handle, tmp_path), 600)
     told = _until("the requeued job resumed", lambda: (lambda st: st if "RUNNING" in st and "restarted 1 time(s), "
                                                        "resumed from step " in st else None)(
-        _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout), 600, every_s=3)
+        _run(["status", handle], tmp_path, timeout=120, env=slurm).stdout), 120, every_s=3)
     assert "reward0 re-formed 1 time(s)" in told and "1 rollout engine(s) lost" in told, told
     resumed = int(re.search(r"resumed from step (\d+)", told).group(1))
     _until("a step after the resume", lambda: logged_step(out) > resumed, 400)
     print(f"{time.time() - killed:.0f} s from the head's kill to the resumed job's first step (from step {resumed})")
+    _until("the head's end", lambda: "done, exit code 0" in _head_log(handle, tmp_path), 400)
     _until("the job SUCCEEDED", lambda: "SUCCEEDED" in _run(["status", handle], tmp_path, timeout=120,
-                                                              env=slurm).stdout, 400, every_s=3)
+                                                              env=slurm).stdout, 120, every_s=3)
     print(f"{time.time() - killed:.0f} s from the head's kill to the app's end")
     assert (out / "final" / "model.safetensors").is_file()
     assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))  # every step once, none lost
