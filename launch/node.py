@@ -251,7 +251,7 @@ def _finish(ns, proc, code: int) -> None:
             internal_kv._internal_kv_put(DONE_KEY, str(code).encode(), overwrite=True)
             deadline = time.time() + 60
             while _alive(ray) > 1 and time.time() < deadline:  # workers leave on their own
-                time.sleep(1)
+                time.sleep(0.25)
             ray.shutdown()
     finally:
         if proc is not None:
@@ -287,7 +287,7 @@ def worker(ns: argparse.Namespace) -> int:
     lost_since = None
     try:
         while True:
-            time.sleep(2)
+            time.sleep(1)
             if proc.poll() is not None:
                 _log(f"error: the Ray node exited with code {proc.returncode}")
                 return 1
@@ -335,11 +335,14 @@ def _alive(ray) -> int:
 
 
 def _wait(cond, timeout_s: float, message) -> None:
+    """Until ``cond()``, asked four times a second: the start of a job is a chain of these waits
+    (the head's Ray, its address, each node's Ray, all of them joined), each adding up to an ask's
+    interval."""
     deadline = time.time() + timeout_s
     while not cond():
         if time.time() > deadline:
             raise TimeoutError(message() if callable(message) else message)
-        time.sleep(1)
+        time.sleep(0.25)
 
 
 def main(argv: list[str] | None = None) -> int:
