@@ -431,7 +431,8 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
     resumed = int(re.search(r"resumed from step (\d+)", told).group(1))
     _until("a step after the resume", lambda: logged_step(out) > resumed, 400)
     print(f"{time.time() - killed:.0f} s from the head's kill to the resumed job's first step (from step {resumed})")
-    _until("the head's end", lambda: "done, exit code 0" in _head_log(handle, tmp_path), 400)
+    ended = _until("the head's end", lambda: re.search(r"done, exit code (\d+)", _head_log(handle, tmp_path)), 400)
+    assert ended.group(1) == "0", _head_log(handle, tmp_path)[-3000:]  # (the killed head wrote no such line)
     _until("the job SUCCEEDED", lambda: "SUCCEEDED" in _run(["status", handle], tmp_path, timeout=120,
                                                               env=slurm).stdout, 120, every_s=3)
     print(f"{time.time() - killed:.0f} s from the head's kill to the app's end")
