@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -307,6 +308,7 @@ def run(args) -> dict:
     (Path(args.flags) / "exit").touch()
     for p in procs:
         p.join(timeout=120)
+    shutil.rmtree(args.flags, ignore_errors=True)  # the go/done/exit flags
     sent = [r[2] for r in sorted(x for x in rows if x[0] == "sender")]
     seconds = max(r[3] for r in rows if r[0] == "sender")
     bad = sum(r[2] for r in rows if r[0] == "receiver")
