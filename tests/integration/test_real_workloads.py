@@ -69,8 +69,10 @@ def test_sft_then_grpo_on_a_users_qwen2_by_hub_id_conversations_and_word_problem
     sft = load_spec({**common, "algorithm": "sft", "model": {"path": "acme/qwen2-tiny", "dtype": "fp32"},
                      "data": {"train": str(world / "data" / "sft"), "eval": str(world / "data" / "eval.parquet"),
                               "max_length": 192},
-                     "train": {"num_ranks": 1, "micro_batch_size": 16, "global_batch_size": 32, "max_steps": 40,
-                               "lr": 3e-3, "warmup_ratio": 0.05},
+                     # both cores for the one rank (Ray gives an actor one thread): this model is large
+                     # enough for the second to pay (the test took 35 s with one, 28 with two)
+                     "train": {"num_ranks": 1, "threads": 2, "micro_batch_size": 16, "global_batch_size": 32,
+                               "max_steps": 40, "lr": 3e-3, "warmup_ratio": 0.05},
                      "eval": {**common["eval"], "every_steps": 0}})
     assert sft.model.path == str(snapshot)  # resolved once, before any worker: each loads this folder
     summary = run_sft(sft, tmp_path / "sft")
@@ -96,7 +98,8 @@ def test_sft_then_grpo_on_a_users_qwen2_by_hub_id_conversations_and_word_problem
                                "eval": str(world / "data" / "eval"), "max_length": 192},
                       "rewards": {"functions": [{"path": "verifier"},
                                                 {"path": "tests.rewards.misbehaving:record", "weight": 0.0}]},
-                      "train": {"num_ranks": 1, "micro_batch_size": 8, "global_batch_size": 16, "lr": 1e-4},
+                      "train": {"num_ranks": 1, "threads": 2, "micro_batch_size": 8, "global_batch_size": 16,
+                                "lr": 1e-4},
                       "rl": {"num_steps": 2, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 24,
                              "eval_samples": 2},
                       "rollout": {"max_model_len": 256},
