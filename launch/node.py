@@ -132,17 +132,23 @@ def _die_with_parent() -> None:
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """TERM the ``ray start`` process group we created, then KILL what is left of it (Slurm
-    gives a cancelled step only KillWait seconds before it kills us)."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
+    """TERM the ``ray start`` process, which stops its node's processes in order (the raylet,
+    which leaves the cluster, then the GCS and the agents: ~2 s; TERMed all at once they wait
+    on each other for half a minute), then KILL what is left of the process group we created
+    (Slurm gives a cancelled step only KillWait seconds before it kills us)."""
+    proc.send_signal(signal.SIGTERM)  # nothing once it has been reaped
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _gcs_get(address: str, key: bytes, timeout_s: float = 10.0):
