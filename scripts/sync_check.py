@@ -287,28 +287,33 @@ def run(args) -> dict:
         port = s.getsockname()[1]
     args.flags = tempfile.mkdtemp(prefix="erl-sync-check-")
     procs, arenas_info = [], None
-    for r in range(args.receivers):
-        procs.append(ctx.Process(target=_receiver, args=(r, args, port, arena_queue, queues, results)))
-        procs[-1].start()
-    if args.transport == "arena":
-        got = dict(arena_queue.get(timeout=300) for _ in range(args.receivers))
-        arenas_info = [got[r] for r in range(args.receivers)]
-    for k in range(args.senders):
-        procs.append(ctx.Process(target=_sender, args=(k, args, port, arenas_info, queues, results)))
-        procs[-1].start()
-    rows = []
-    if args.transport != "p2p":  # the senders start together, once every process is up
-        rows = [results.get(timeout=300) for _ in range(args.senders)]
-        (Path(args.flags) / "go").touch()
-    while len([r for r in rows if r[0] == "sender"]) < args.senders:
-        rows.append(results.get(timeout=600))
-    (Path(args.flags) / "done").touch()
-    while len([r for r in rows if r[0] == "receiver"]) < args.receivers:
-        rows.append(results.get(timeout=600))
-    (Path(args.flags) / "exit").touch()
-    for p in procs:
-        p.join(timeout=120)
-    shutil.rmtree(args.flags, ignore_errors=True)  # the go/done/exit flags
+    try:
+        for r in range(args.receivers):
+            procs.append(ctx.Process(target=_receiver, args=(r, args, port, arena_queue, queues, results)))
+            procs[-1].start()
+        if args.transport == "arena":
+            got = dict(arena_queue.get(timeout=300) for _ in range(args.receivers))
+            arenas_info = [got[r] for r in range(args.receivers)]
+        for k in range(args.senders):
+            procs.append(ctx.Process(target=_sender, args=(k, args, port, arenas_info, queues, results)))
+            procs[-1].start()
+        rows = []
+        if args.transport != "p2p":  # the senders start together, once every process is up
+            rows = [results.get(timeout=300) for _ in range(args.senders)]
+            (Path(args.flags) / "go").touch()
+        while len([r for r in rows if r[0] == "sender"]) < args.senders:
+            rows.append(results.get(timeout=600))
+        (Path(args.flags) / "done").touch()
+        while len([r for r in rows if r[0] == "receiver"]) < args.receivers:
+            rows.append(results.get(timeout=600))
+        (Path(args.flags) / "exit").touch()
+        for p in procs:
+            p.join(timeout=120)
+    finally:  # a failed layout leaves neither its processes nor its go/done/exit flags
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(args.flags, ignore_errors=True)
     sent = [r[2] for r in sorted(x for x in rows if x[0] == "sender")]
     seconds = max(r[3] for r in rows if r[0] == "sender")
     bad = sum(r[2] for r in rows if r[0] == "receiver")

@@ -51,6 +51,18 @@ def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+def run_clis(*argvs: list[str], timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """``run_cli`` for each argument list, side by side (a command that mostly imports and
+    waits leaves the other core to the next)."""
+    procs = [(argv, subprocess.Popen([sys.executable, "-m", "elasticrl.cli", *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)) for argv in argvs]
+    done = []
+    for argv, proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    return done
+
+
 @pytest.fixture(scope="session")
 def examples_dir() -> Path:
     return EXAMPLES

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from tests.conftest import EXAMPLES, run_cli
+from tests.conftest import EXAMPLES, run_cli, run_clis
 
 
 def _lines(out: str) -> dict[str, tuple[str, str]]:
@@ -40,8 +40,12 @@ def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
                                                  "intermediate_size": 28672, "vocab_size": 128256}))
     pd.DataFrame([{"prompt": "1+1="}]).to_parquet(tmp_path / "no_answer.parquet")
     (tmp_path / "a_file").write_text("")
-    res = run_cli("doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={big}",
-                  "--set", f"data.train={tmp_path / 'no_answer.parquet'}", "--output", str(tmp_path / "a_file" / "run"))
+    res, res_proc = run_clis(
+        ["doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={big}",
+         "--set", f"data.train={tmp_path / 'no_answer.parquet'}", "--output", str(tmp_path / "a_file" / "run")],
+        # /proc takes no files, even from root
+        ["doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={tmp_path / 'missing'}",
+         "--output", "/proc/elasticrl-run"])
     found = _lines(res.stdout)
     assert res.returncode == 1 and res.stderr.strip().startswith("error: 5 check(s) failed")
     assert found["model"] == ("fail", f"model.path: {big} has no weights (no *.safetensors)")
@@ -52,9 +56,7 @@ def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
     assert found["shared memory"][0] == "fail" and "fix: enlarge it" in found["shared memory"][1]
     assert found["memory fit"][0] == "fail"
 
-    # /proc takes no files, even from root
-    res = run_cli("doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={tmp_path / 'missing'}",
-                  "--output", "/proc/elasticrl-run")
+    res = res_proc
     found = _lines(res.stdout)
     assert found["output"][0] == "fail" and found["output"][1].startswith("--output /proc/elasticrl-run: /proc is not "
                                                                          "writable")

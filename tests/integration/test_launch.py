@@ -433,8 +433,11 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
     print(f"{time.time() - killed:.0f} s from the head's kill to the resumed job's first step (from step {resumed})")
     ended = _until("the head's end", lambda: re.search(r"done, exit code (\d+)", _head_log(handle, tmp_path)), 400)
     assert ended.group(1) == "0", _head_log(handle, tmp_path)[-3000:]  # (the killed head wrote no such line)
+    _until("the job COMPLETED in sacct", lambda: set(subprocess.run(
+        sacct[:-2] + ["State", "-j", job_id], capture_output=True, text=True, env=env).stdout.split()) == {"COMPLETED"},
+           120, every_s=0.5)
     _until("the job SUCCEEDED", lambda: "SUCCEEDED" in _run(["status", handle], tmp_path, timeout=120,
-                                                              env=slurm).stdout, 120, every_s=3)
+                                                              env=slurm).stdout, 60)
     print(f"{time.time() - killed:.0f} s from the head's kill to the app's end")
     assert (out / "final" / "model.safetensors").is_file()
     assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))  # every step once, none lost
