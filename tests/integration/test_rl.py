@@ -111,23 +111,23 @@ def test_zero3_sharded_reference_scores_like_a_whole_one(ray_cluster):
     model = initial_model(spec)
     prompts = [[1, 4, 7, 13, 78], [1, 4, 8, 78], [1, 5, 5, 78], [1, 9, 78], [1, 4, 4, 4, 78]]
     batch = pack(prompts, [[11, 86, 2], [8, 2], [12, 13, 86, 2], [5, 2], [9, 9, 2]], 0)
-    out = {}
-    for ranks in (1, 2):
-        group = RoleGroup("reference", FrozenWorker, ranks, spec_to_dict(spec), model, "reference", False)
-        try:
-            group.setup()
-            parts = group.call("score", batch)
-        finally:
-            group.shutdown()
-        out[ranks] = torch.cat([p["values"] for p in sorted(parts, key=lambda p: p["rows"]) if p["values"] is not None])
     inside = load_spec(EXAMPLES / "tiny_grpo.yaml", BASE + ["train.num_ranks=1", "train.micro_batch_size=2",
                                                             "rl.kl_coef=0.1", "placement.reference=in_actor"])
-    actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(inside), model)
-    try:
-        actor.setup(1)
-        out["in_actor"] = actor.call("reference_logprobs", batch)[0]["logprobs"]
+    groups, out = {}, {}
+    try:  # the three groups set up side by side (their imports are most of this test's time)
+        for ranks in (1, 2):
+            groups[ranks] = RoleGroup("reference", FrozenWorker, ranks, spec_to_dict(spec), model, "reference", False)
+        groups["in_actor"] = RoleGroup("actor", ActorWorker, 1, spec_to_dict(inside), model)
+        waits = [groups[1].setup(wait=False), groups[2].setup(wait=False), groups["in_actor"].setup(1, wait=False)]
+        for wait in waits:
+            wait()
+        for ranks in (1, 2):
+            parts = sorted(groups[ranks].call("score", batch), key=lambda p: p["rows"])
+            out[ranks] = torch.cat([p["values"] for p in parts if p["values"] is not None])
+        out["in_actor"] = groups["in_actor"].call("reference_logprobs", batch)[0]["logprobs"]
     finally:
-        actor.shutdown()
+        for group in groups.values():
+            group.shutdown()
     assert out[1].shape == (5, batch.input_ids.shape[1] - 1)
     torch.testing.assert_close(out[2], out[1], atol=1e-5, rtol=0)
     torch.testing.assert_close(out["in_actor"], out[1], atol=1e-5, rtol=0)
@@ -153,10 +153,11 @@ def test_engine_and_trainer_log_probs_agree_at_a_temperature(ray_cluster, tmp_pa
     tok = load_tokenizer(model)
     prompts = [tok(format_prompt(tok, r["prompt"], True), add_special_tokens=False)["input_ids"]
                for r in read_records(world_paths(spec.world)["rl_prompts"])[:8]]
-    pool = RolloutPool(model, spec.rollout, "fp32", spec.seed)
+    pool = RolloutPool(model, spec.rollout, "fp32", spec.seed, wait=False)  # it starts while the actor sets up
     actor = RoleGroup("actor", ActorWorker, 1, spec_to_dict(spec), model)
     try:
         actor.setup(10)
+        pool.ready()
         actor.call("attach_rollout", pool.engines, pool.infos, "shm", 64, str(tmp_path))
         assert actor.call("sync_weights", 1)[0]["sync/version"] == 1
         results = pool.generate(prompts, sampling_params(spec, 0))
