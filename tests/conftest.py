@@ -57,9 +57,15 @@ def run_clis(*argvs: list[str], timeout: float = 900) -> list[subprocess.Complet
     procs = [(argv, subprocess.Popen([sys.executable, "-m", "elasticrl.cli", *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT)) for argv in argvs]
     done = []
-    for argv, proc in procs:
-        out, err = proc.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    try:
+        for argv, proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    finally:  # one that timed out leaves none of them running
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return done
 
 
