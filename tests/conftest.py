@@ -51,22 +51,27 @@ def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
-def run_clis(*argvs: list[str], timeout: float = 900) -> list[subprocess.CompletedProcess]:
-    """``run_cli`` for each argument list, side by side (a command that mostly imports and
-    waits leaves the other core to the next)."""
-    procs = [(argv, subprocess.Popen([sys.executable, "-m", "elasticrl.cli", *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)) for argv in argvs]
+def run_together(*commands: list[str], timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """Each command in ``ROOT``, side by side (one that mostly imports and waits leaves the other
+    core to the next); their results in order. One that times out leaves none of them running."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for cmd in commands]
     done = []
     try:
-        for argv, proc in procs:
+        for cmd, proc in zip(commands, procs):
             out, err = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    finally:  # one that timed out leaves none of them running
-        for _, proc in procs:
+            done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    finally:
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     return done
+
+
+def run_clis(*argvs: list[str], timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """``run_cli`` for each argument list, side by side (``run_together``)."""
+    return run_together(*([sys.executable, "-m", "elasticrl.cli", *argv] for argv in argvs), timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
                                                  "intermediate_size": 28672, "vocab_size": 128256}))
     pd.DataFrame([{"prompt": "1+1="}]).to_parquet(tmp_path / "no_answer.parquet")
     (tmp_path / "a_file").write_text("")
-    res, res_proc = run_clis(
+    res, on_proc = run_clis(
         ["doctor", str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"model.path={big}",
          "--set", f"data.train={tmp_path / 'no_answer.parquet'}", "--output", str(tmp_path / "a_file" / "run")],
         # /proc takes no files, even from root
@@ -56,11 +56,10 @@ def test_doctor_fails_naming_the_fix_for_each_mistake(tmp_path):
     assert found["shared memory"][0] == "fail" and "fix: enlarge it" in found["shared memory"][1]
     assert found["memory fit"][0] == "fail"
 
-    res = res_proc
-    found = _lines(res.stdout)
+    found = _lines(on_proc.stdout)
     assert found["output"][0] == "fail" and found["output"][1].startswith("--output /proc/elasticrl-run: /proc is not "
                                                                          "writable")
-    assert res.returncode == 1 and found["model"] == (
+    assert on_proc.returncode == 1 and found["model"] == (
         "fail", f"model.path: {tmp_path / 'missing'} has no config.json; give a Hugging Face model folder")
     assert found["shared memory"][0] == "warn"  # what depends on the model's size is not guessed
 

@@ -6,27 +6,25 @@ the receivers against slices cut here from the full tensors; and each as a delta
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_together
+
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = ["--hidden", "64", "--layers", "2", "--vocab", "256", "--heads", "4", "--kv-heads", "2"]
 
 
-def _start(*args) -> subprocess.Popen:
-    """A run of the script; the three below run side by side (each mostly waits on its own
-    processes, one core at a time)."""
-    return subprocess.Popen([sys.executable, "scripts/sync_check.py", "--device", "cpu", *SIZE, *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _rows(proc: subprocess.Popen) -> list[dict]:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out + err[-3000:]
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def _runs(*layouts: list[str]) -> list[list[dict]]:
+    """The script's JSON rows for each set of arguments; the runs go side by side (each mostly
+    waits on its own processes, one core at a time)."""
+    done = run_together(*([sys.executable, "scripts/sync_check.py", "--device", "cpu", *SIZE, *args]
+                          for args in layouts), timeout=300)
+    for out in done:
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return [[json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")] for out in done]
 
 
 @pytest.mark.slow
@@ -38,10 +36,9 @@ def test_two_senders_into_one_and_two_receivers_and_one_sender_into_two():
     # two norms of 64; the final norm; the head 256x64: all fp32
     full = 4 * (2 * 256 * 64 + 2 * (64 * 64 * 2 + 2 * 32 * 64 + 3 * 256 * 64 + 2 * 64) + 64)
     assert full == 4 * sum(torch_numel(s) for s in model_shapes(64, 2, 256, 4, 2).values())
-    runs = [_start("--senders", "2", "--receivers", "1,2"), _start("--senders", "1", "--receivers", "2",
-                                                                   "--transports", "p2p"),
-            _start("--senders", "2", "--receivers", "2", "--delta")]
-    rows = _rows(runs[0])
+    rows, one_to_two_rows, delta_rows = _runs(["--senders", "2", "--receivers", "1,2"],
+                                              ["--senders", "1", "--receivers", "2", "--transports", "p2p"],
+                                              ["--senders", "2", "--receivers", "2", "--delta"])
     assert [(r["transport"], r["receivers"]) for r in rows[1:]] == [
         ("p2p", 1), ("p2p", 2), ("ipc", 1), ("ipc", 2), ("arena", 1), ("arena", 2)]
     for r in rows[1:]:
@@ -51,11 +48,11 @@ def test_two_senders_into_one_and_two_receivers_and_one_sender_into_two():
         whole = 4 * 5 * 64
         assert sum(r["bytes_by_sender"]) == full + (r["receivers"] - 1) * whole, r
         assert max(r["bytes_by_sender"]) < 0.6 * sum(r["bytes_by_sender"]), r  # no sender sends it all
-    [one_to_two] = _rows(runs[1])[1:]
+    [one_to_two] = one_to_two_rows[1:]
     assert one_to_two["bit_exact"] and one_to_two["bytes_by_sender"] == [full + 4 * 5 * 64]
     # rollout.delta_sync: a second sync after every 97th element moved sends its change alone
     # (an index and a value, 8 bytes, for ~1/97 of the elements, and 8 bytes of count a piece)
-    for r in _rows(runs[2])[1:]:
+    for r in delta_rows[1:]:
         assert r["bit_exact"] and sum(r["bytes_by_sender"]) < full / 20, r
 
 
