@@ -8,9 +8,11 @@ install:
 demo: install
 	.venv/bin/elasticrl run examples/tiny_grpo.yaml --output $(OUT)
 
+# Two workers, each with its own Ray (tests/conftest.py says how the tests are grouped); 0: one process.
+TEST_WORKERS ?= 2
 test: install
 	.venv/bin/python -m tests.prepare
-	.venv/bin/python -m pytest -q --durations=12
+	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=12
 
 lint: install
 	.venv/bin/ruff check .

@@ -74,6 +74,26 @@ def run_clis(*argvs: list[str], timeout: float = 900) -> list[subprocess.Complet
     return run_together(*([sys.executable, "-m", "elasticrl.cli", *argv] for argv in argvs), timeout=timeout)
 
 
+# `make test` runs two pytest workers (pytest-xdist): one alone left the two cores idle a quarter
+# of the time, while a lone process computed and the rest waited on it. Each group below runs
+# whole on one worker: a module (its module fixtures built once), the unit tests together (so a
+# worker starts the integration package's Ray once, entering it after them), test_resume.py with
+# test_launch.py (both take `ppo_in_pairs`, the package's PPO run). Larger groups go first.
+TOGETHER = {"test_launch": "test_resume"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = Path(nodeid.split("::")[0])
+            module = path.stem if path.parent.name == "integration" else "unit"
+            return TOGETHER.get(module, module)
+    return Grouped(config, log)
+
+
 @pytest.fixture(scope="session")
 def examples_dir() -> Path:
     return EXAMPLES

@@ -56,7 +56,7 @@ class Fault(threading.Thread):
 
     def __init__(self, output: Path, class_name: str, after: int, sig=signal.SIGKILL, index: int = -1,
                  delay: float = 0.0, timeout_s: float = 900, root: int | None = None):
-        """``root``: the process the actor runs below (default this one; 1 for a launched job's)."""
+        """``root``: the process the actor runs below (default this one; a launched job's node process)."""
         super().__init__(daemon=True)
         self.output, self.class_name, self.after, self.sig = output, class_name, after, sig
         self.index, self.delay, self.timeout_s, self.root = index, delay, timeout_s, root

@@ -107,8 +107,10 @@ def test_launch_refuses_bad_input_in_one_line():
 
 
 def _leftovers(app_dir: Path) -> list[str]:
-    """What an app must not leave behind: Ray temp dirs of its nodes, its auth token."""
-    out = [str(p) for p in Path("/tmp").glob("erl-*") if not p.name.startswith("erl-ray-")]
+    """What an app must not leave behind: its nodes' folders (Ray's temp dirs, `launch.node`'s
+    /tmp/erl-<8 hex>), its auth token. (Tests on the other pytest worker make folders of other
+    names there: a run's erl-ray-*, the sync check's.)"""
+    out = [str(p) for p in Path("/tmp").glob("erl-*") if re.fullmatch(r"erl-[0-9a-f]{8}", p.name)]
     out += [str(p) for p in (app_dir / ".elasticrl").glob("*")] if (app_dir / ".elasticrl").is_dir() else []
     return out
 
@@ -376,7 +378,9 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
         assert f"{app}-0 on {where[f'{app}-0']} RUNNING" in listed, listed
 
     # 2. the reward node lost whole; a node of the reward app role joins and the reward model is built there
-    kept = {c: actor_pids(c, 1) for c in ("ActorWorker", "CriticWorker", "RolloutEngine")}
+    job_actors = lambda c: sorted(p for _, node_pid, _ in _node_workers(tmp_path)  # noqa: E731
+                                  for p in actor_pids(c, node_pid))  # this job's, not another test's
+    kept = {c: job_actors(c) for c in ("ActorWorker", "CriticWorker", "RolloutEngine")}
     reward_node = workers["reward"][0]
     for pid in [p for p, _ in _descendants(reward_node)][::-1] + [reward_node]:  # the node's supervisor last
         with contextlib.suppress(ProcessLookupError):
@@ -390,7 +394,7 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
     joined_node = subprocess.run(sacct + [node_job], capture_output=True, text=True, env=env).stdout.split("|")[1]
     assert reformed.group(1) == joined_node != where["reward-0"], (reformed.group(0), joined_node)  # as Slurm names it
     _until("step 3", lambda: logged_step(out) >= 3, 300, every_s=0.5)
-    now = {c: actor_pids(c, 1) for c in kept}  # the trained roles and the engine went on
+    now = {c: job_actors(c) for c in kept}  # the trained roles and the engine went on
     assert now["ActorWorker"] == kept["ActorWorker"] and now["CriticWorker"] == kept["CriticWorker"], (kept, now)
     assert set(kept["RolloutEngine"]) <= set(now["RolloutEngine"]), (kept, now)
     rows, straight = _rows_by_step(out), _rows_by_step(ppo_in_pairs.out)
