@@ -1,7 +1,7 @@
-"""One private Ray for the integration tests (starting one costs ~5-8 s on 2 cores): the tests
-of this package share it, each shutting down the role groups and pools it started, and it
-stops when they are done (a Ray left running would make later tests take it for a launched
-job's)."""
+"""One private Ray per pytest worker for the integration tests (starting one costs ~5-8 s on 2
+cores; in a temp folder of its own, so nothing else attaches to it): the tests of this package
+share it, each shutting down the role groups and pools it started, and it stops when they are
+done."""
 from __future__ import annotations
 
 import pytest

@@ -72,7 +72,7 @@ def test_multi_turn_episodes_are_token_exact_and_their_engine_log_probs_are_the_
     tok = load_tokenizer(model)
     rows = list(read_records(world_paths(spec.world)["rl_prompts"])[:8])
     envs = EnvironmentPool({"environment": "elasticrl.envs:ToolEnvironment", "tools": TOOLS,
-                            "parser": "tests.integration.environments:every_turn_calls", "timeout_s": 0.3,
+                            "parser": "tests.integration.environments:every_turn_calls", "timeout_s": 0.6,
                             "retries": 0},
                            timeout_s=30, workers=2)
     chatty = EnvironmentPool({"environment": "tests.integration.environments:Killer", "tools": [],

@@ -319,6 +319,7 @@ ROLE_ACTORS = {"actor": ["ActorWorker"], "critic": ["CriticWorker"], "reference"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its setup and the job: 373 s beside the other worker's tests (600 s is the default)
 def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_reward_node_and_head(
         tmp_path, slurm, ppo_in_pairs):
     """tiny_ppo.yaml with its four model roles and the engine as five app roles, each on its own

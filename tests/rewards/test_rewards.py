@@ -128,7 +128,8 @@ def test_a_reward_function_that_raises_hangs_crashes_or_gives_no_number_costs_th
         again = rewards(["ok"], ["abcd"], [None])  # after the crash: a new process serves
     assert scores.total.tolist() == [3.0, 0, 0, 0, 0, 0, 3.0, 0, 3.0] and again.total.tolist() == [4.0]
     assert scores.info == {"reward/errors": 6, "reward/errors/moody": 6} and scores.keep.all()
-    assert 1.0 <= took < 8.0, took  # the 60 s sleep was cut at 1 s (plus a restart or two)
+    assert 1.0 <= took < 20.0, took  # the 60 s sleep was cut at 1 s (plus a restart or two, slower beside
+    # the other pytest worker)
     assert all(p.proc is None for p in rewards.process.procs) and first  # closed on leaving the block
 
 
