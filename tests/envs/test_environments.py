@@ -46,9 +46,10 @@ def _call(name: str, args: str = "{}") -> str:
 
 
 def test_every_tool_failure_is_an_error_observation_and_a_lost_process_ends_its_episodes_only():
+    # a tool's 2 s: the quick tools' calls stay well within it beside the other pytest worker
     envs = EnvironmentPool({"environment": "elasticrl.envs:ToolEnvironment", "tools": TOOLS, "parser": "hermes",
-                            "timeout_s": 2, "retries": 0}, timeout_s=10, workers=2)  # (2 s: the quick tools'
-    try:  # calls stay well within it beside the other pytest worker)
+                            "timeout_s": 2, "retries": 0}, timeout_s=10, workers=2)
+    try:
         envs.start()
         rows = [{"prompt": f"{k}+1="} for k in range(6)]
         starts = envs.ask([{"op": "start", "id": k, "row": r} for k, r in enumerate(rows)])
