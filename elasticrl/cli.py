@@ -13,7 +13,9 @@ import typer
 from launch import LOST_S
 from launch import OUTPUT as LAUNCH_OUTPUT
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: click's plain help, which rewraps each paragraph and reads no markup
+# (with rich's, `ROLE[/N]` in a help text ended `elasticrl --help` in a MarkupError)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="RL alignment of language models, one job spec from a workstation to a cluster.")
 
 
@@ -154,8 +156,11 @@ def launch(
         typer.echo(f"--- {scheduler} request ---")
         typer.echo(str(info))
         return
-    state = submit.run_app(app_def, scheduler, submit.parse_cfg(cfg), output, detach, max_restarts, typer.echo,
-                           lambda line: typer.echo(line, err=True))
+    try:
+        state = submit.run_app(app_def, scheduler, submit.parse_cfg(cfg), output, detach, max_restarts, typer.echo,
+                               lambda line: typer.echo(line, err=True))
+    except submit.SchedulerError as exc:
+        _fail(str(exc), 1)
     if state not in ("SUCCEEDED", "SUBMITTED"):
         _fail(f"the job ended {state}, and {output}/logs", 1)
 

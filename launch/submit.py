@@ -21,6 +21,39 @@ from pathlib import Path
 from launch import LOST_S
 
 SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
+REACH = {"slurm": "check that Slurm answers on this machine (sinfo), or launch with --scheduler local_cwd",
+         "kubernetes": "check that this machine reaches the cluster (kubectl get pods, with the same kube config)",
+         "local_cwd": "check the launch folder"}
+
+
+class SchedulerError(ValueError):
+    """A scheduler that did not do what was asked (its command failed or is missing, no cluster
+    configured, no such app): the CLI prints it as one line, as it does bad input."""
+
+
+@contextlib.contextmanager
+def scheduler_calls(handle: str):
+    """TorchX calls to the scheduler of ``handle`` (or of that scheduler's name) inside the
+    block: their failures become one SchedulerError line, not a trace."""
+    from torchx.specs.api import UnknownAppException
+
+    scheduler = handle.partition("://")[0]
+    try:
+        yield
+    except subprocess.CalledProcessError as exc:  # sbatch, sacct, scancel: what they said is on stderr, above
+        cmd = shlex.join(map(str, exc.cmd)) if isinstance(exc.cmd, (list, tuple)) else str(exc.cmd)
+        raise SchedulerError(f"{scheduler}: `{cmd}` ended with exit status {exc.returncode} (its message is "
+                             f"above); {REACH[scheduler]}") from None
+    except FileNotFoundError as exc:
+        raise SchedulerError(f"{scheduler}: {exc.filename} is not on this machine's PATH; {REACH[scheduler]}") from None
+    except UnknownAppException:
+        raise SchedulerError(f"{handle}: no such app" + (" (a local_cwd app lives only as long as the elasticrl "
+                                                         "launch that started it)" if scheduler == "local_cwd" else "")
+                             ) from None
+    except Exception as exc:  # noqa: BLE001 - the kubernetes client's errors (no config, no host, API) share no base
+        if scheduler != "kubernetes":
+            raise
+        raise SchedulerError(f"kubernetes: {type(exc).__name__}: {exc}; {REACH[scheduler]}") from None
 
 
 def parse_cfg(text: str | None) -> dict[str, str]:
@@ -98,7 +131,8 @@ def join_node(app_id: str, output: str, role: str, engines: int, gpus: int, cfg:
     else:
         cpus = engines * spec.rollout.cpus_per_engine if role == "rollout" else app_role_cpus(spec)[role]
     app = node(app_id, role, cpus, gpus, output=output, image=os.getcwd(), python=sys.executable)
-    return runner().schedule(dryrun(app, "slurm", cfg))
+    with scheduler_calls("slurm"):
+        return runner().schedule(dryrun(app, "slurm", cfg))
 
 
 def resumable_step(output: str) -> int | None:
@@ -240,7 +274,8 @@ def status(handle: str) -> tuple[str, str]:
     and their states where known."""
     _split(handle)
     try:
-        st = runner().status(handle)
+        with scheduler_calls(handle):
+            st = runner().status(handle)
     except AssertionError:  # torchx 0.7.0 on states such as 'CANCELLED by 0'
         scheduler, _, app_id = _split(handle)
         state = slurm_state(app_id) if scheduler == "slurm" else None
@@ -260,9 +295,9 @@ def _split(handle: str) -> tuple[str, str, str]:
     """``scheduler://session/app_id`` -> its parts."""
     scheduler, _, rest = handle.partition("://")
     session, _, app_id = rest.partition("/")
-    if not scheduler or not app_id:
-        raise ValueError(f"{handle!r} is not an app handle; expected SCHEDULER://SESSION/APP_ID, as printed "
-                         "by elasticrl launch")
+    if not scheduler or not app_id or (scheduler == "kubernetes" and ":" not in app_id):
+        raise ValueError(f"{handle!r} is not an app handle; expected SCHEDULER://SESSION/APP_ID (kubernetes: "
+                         "APP_ID is NAMESPACE:NAME), as printed by elasticrl launch")
     return scheduler, session, app_id
 
 
@@ -271,16 +306,19 @@ def log_lines(handle: str, role: str = "head", replica: int = 0, tail: bool = Fa
 
     scheduler, _, _ = _split(handle)
     streams = Stream.STDERR if scheduler == "slurm" else Stream.COMBINED
-    return runner().log_lines(handle, role, replica, should_tail=tail, streams=streams)
+    with scheduler_calls(handle):
+        yield from runner().log_lines(handle, role, replica, should_tail=tail, streams=streams)
 
 
 def cancel(handle: str) -> None:
     _split(handle)
-    runner().cancel(handle)
+    with scheduler_calls(handle):
+        runner().cancel(handle)
 
 
 def wait(handle: str):
-    return runner().wait(handle, wait_interval=2)
+    with scheduler_calls(handle):
+        return runner().wait(handle, wait_interval=2)
 
 
 def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_restarts: int, say, log) -> str:
@@ -292,7 +330,8 @@ def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_resta
     restarts = 0
     while True:
         started = time.time()
-        handle = runner().schedule(dryrun(app, scheduler, cfg))
+        with scheduler_calls(scheduler):
+            handle = runner().schedule(dryrun(app, scheduler, cfg))
         say(f"app handle: {handle}")
         if detach:
             return "SUBMITTED"
