@@ -14,7 +14,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from elasticrl.files import write_text
+from elasticrl.files import claim_output, write_text
 
 
 def error(message: str) -> None:
@@ -34,15 +34,21 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
     if problem:
         error(problem)
         return 2
-    fresh = not output.is_dir() or not any(output.iterdir())
-    layout: dict = {}
-    if job.ray.address == "local":
-        localhost_only()
-        job, layout = cpu_layout(spec_path, list(overrides), job)
-    code = _run(job, output, {"layout": layout} if layout else {})
-    if code and fresh:
-        _remove_what_a_failed_run_began(output)
-    return code
+    claim = claim_output(output)
+    if claim is None:
+        error(f"--output {output}: another elasticrl run on this machine writes there; let it end (or stop it), "
+              "or give another --output")
+        return 2
+    with claim:
+        fresh = not any(output.iterdir())
+        layout: dict = {}
+        if job.ray.address == "local":
+            localhost_only()
+            job, layout = cpu_layout(spec_path, list(overrides), job)
+        code = _run(job, output, {"layout": layout} if layout else {})
+        if code and fresh:
+            _remove_what_a_failed_run_began(output)
+        return code
 
 
 def cpu_layout(spec_path, overrides: list[str], job):

@@ -128,6 +128,23 @@ def owner_gone(mark: str | Path) -> bool:
         return False
 
 
+def claim_output(output: str | Path):
+    """This process's claim on run folder ``output`` on this machine: an abstract Unix socket
+    named after the folder's path (no file; the kernel frees it when the process ends, however
+    it ends), or None when another process holds it: a run writing there now."""
+    import hashlib
+    import socket
+
+    name = hashlib.sha256(str(Path(output).resolve()).encode()).hexdigest()[:32]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(f"\0elasticrl-run-{os.getuid()}-{name}")
+    except OSError:  # EADDRINUSE: held
+        sock.close()
+        return None
+    return sock
+
+
 def owned_dir(path: str | Path) -> Path:
     """``path`` as a folder private to this user (mode 0700), marked as this process's."""
     path = Path(path)

@@ -335,3 +335,32 @@ def test_a_spec_field_error_never_starts_a_worker(tmp_path, capsys):
         app(["run", GRPO, "--output", str(tmp_path / "o"), "--set", "rewards.functions=[{path: 'no_mod:f'}]"],
             prog_name="elasticrl")
     assert mine() == [] and "cannot import" in capsys.readouterr().err
+
+
+def test_a_run_into_a_folder_another_run_writes_is_refused_until_that_run_is_gone(tmp_path, capsys):
+    """Two runs on one --output would interleave their checkpoints and metrics: the second is
+    refused in one line while the first lives, and the folder is free once it is SIGKILLed."""
+    import signal
+    import subprocess
+    import sys
+
+    from elasticrl.cli import app
+    from elasticrl.files import claim_output
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom elasticrl.files import claim_output\n"
+                               f"c = claim_output({str(out)!r})\nprint(c is not None, flush=True)\ntime.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"  # the first run's claim (as run_spec takes it)
+        with pytest.raises(SystemExit) as exit_:
+            app(["run", GRPO, "--output", str(out)], prog_name="elasticrl")
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and err == (f"error: --output {out}: another elasticrl run on this machine "
+                                                 "writes there; let it end (or stop it), or give another --output")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    mine = claim_output(out)  # the kernel freed the dead run's claim
+    assert mine is not None
+    mine.close()
