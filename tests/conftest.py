@@ -78,8 +78,14 @@ def run_clis(*argvs: list[str], timeout: float = 900) -> list[subprocess.Complet
 # of the time, while a lone process computed and the rest waited on it. Each group below runs
 # whole on one worker: a module (its module fixtures built once), the unit tests together (so a
 # worker starts the integration package's Ray once, entering it after them), test_resume.py with
-# test_launch.py (both take `ppo_in_pairs`, the package's PPO run). Larger groups go first.
+# test_launch.py (both take `ppo_in_pairs`, the package's PPO run). The groups go out in the
+# order of ORDER, longest first by their time in the CI of 262f276 (tests/README, Costs: 754 s
+# for test_resume's group, which test_launch joins, down to 24 s), so that no long one starts
+# last; the unit tests first, which puts that group alone on the other worker. A group not named
+# goes after them.
 TOGETHER = {"test_launch": "test_resume"}
+ORDER = ["unit", "test_resume", "test_sft_engine", "test_preference", "test_rl", "test_faults", "test_rollout_tp",
+         "test_sharded_state", "test_agents", "test_hard_edges", "test_weight_sync", "test_real_workloads"]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -91,6 +97,11 @@ def pytest_xdist_make_scheduler(config, log):
             path = Path(nodeid.split("::")[0])
             module = path.stem if path.parent.name == "integration" else "unit"
             return TOGETHER.get(module, module)
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in sorted(self.workqueue, key=lambda s: ORDER.index(s) if s in ORDER else len(ORDER)):
+                self.workqueue.move_to_end(scope)  # ORDER's groups first, in its order; the rest as they were
+            super()._assign_work_unit(node)
     return Grouped(config, log)
 
 
