@@ -131,7 +131,8 @@ def owner_gone(mark: str | Path) -> bool:
 def claim_output(output: str | Path):
     """This process's claim on run folder ``output`` on this machine: an abstract Unix socket
     named after the folder's path (no file; the kernel frees it when the process ends, however
-    it ends), or None when another process holds it: a run writing there now."""
+    it ends), or None when another process holds it: a run writing there now. A system without
+    abstract sockets (not Linux) gives an empty claim: nothing is checked there."""
     import hashlib
     import socket
 
@@ -139,9 +140,9 @@ def claim_output(output: str | Path):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         sock.bind(f"\0elasticrl-run-{os.getuid()}-{name}")
-    except OSError:  # EADDRINUSE: held
+    except OSError as exc:
         sock.close()
-        return None
+        return None if exc.errno == errno.EADDRINUSE else contextlib.nullcontext()
     return sock
 
 

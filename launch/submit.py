@@ -44,8 +44,9 @@ def scheduler_calls(handle: str):
         cmd = shlex.join(map(str, exc.cmd)) if isinstance(exc.cmd, (list, tuple)) else str(exc.cmd)
         raise SchedulerError(f"{scheduler}: `{cmd}` ended with exit status {exc.returncode} (its message is "
                              f"above); {REACH[scheduler]}") from None
-    except FileNotFoundError as exc:
-        raise SchedulerError(f"{scheduler}: {exc.filename} is not on this machine's PATH; {REACH[scheduler]}") from None
+    except FileNotFoundError as exc:  # a command (sbatch) or a file (a log) that is not there
+        where = "not found" if os.sep in str(exc.filename) else "is not on this machine's PATH"
+        raise SchedulerError(f"{scheduler}: {exc.filename} {where}; {REACH[scheduler]}") from None
     except UnknownAppException:
         raise SchedulerError(f"{handle}: no such app" + (" (a local_cwd app lives only as long as the elasticrl "
                                                          "launch that started it)" if scheduler == "local_cwd" else "")
