@@ -32,8 +32,10 @@ class ChildProcess:
         """Start the process; one that cannot set up (user code that does not import) is a
         ValueError with its reason."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, sys.path)])}
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # a session of its own: Ctrl-C in a terminal (SIGINT to its process group) is the run's to
+        # handle, which closes this process, not a KeyboardInterrupt trace from it on the console
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._buffer, self.starts = b"", self.starts + 1
         first = self._line(max(60.0, self.timeout_s))
         if not isinstance(first, dict) or "ready" not in first:

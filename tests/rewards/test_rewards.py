@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -142,6 +143,9 @@ def test_a_batch_is_scored_by_the_workers_side_by_side_and_the_verifier_by_them_
     assert spec.rewards.verifier == "math"
     with RewardSources(spec) as rewards:
         pids = {p.proc.pid for p in rewards.process.procs}
+        # each leads a session of its own: a terminal's Ctrl-C (SIGINT to the run's process group)
+        # does not reach it, the run closes it (no KeyboardInterrupt trace from it on the console)
+        assert all(os.getsid(pid) == pid for pid in pids)
         completions = ["so \\boxed{1/2}", "0.5", "$\\frac{2}{4}$", "1/3", "no", "12"]
         scores = rewards(["p"] * 6, completions, ["0.5"] * 5 + [None])
     # rows 0-1, 2-3 and 4-5 went to the three processes, in order; the verifier (math) judged the same rows
