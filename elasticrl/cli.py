@@ -161,6 +161,8 @@ def launch(
                                lambda line: typer.echo(line, err=True))
     except submit.SchedulerError as exc:
         _fail(str(exc), 1)
+    if state == "INTERRUPTED":
+        _fail("interrupted", 130)
     if state not in ("SUCCEEDED", "SUBMITTED"):
         _fail(f"the job ended {state}, and {output}/logs", 1)
 

@@ -327,7 +327,7 @@ def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_resta
     ends; a failed local_cwd app is submitted again, up to ``max_restarts`` times, and resumes
     from its newest checkpoint (Slurm requeues a failed job itself: TorchX's retries).
     ``say(line)`` tells the handle and each restart. Returns the final state (SUCCEEDED, or
-    the state with where to look), or SUBMITTED when detached."""
+    the state with where to look), SUBMITTED when detached, INTERRUPTED after Ctrl-C."""
     restarts = 0
     while True:
         started = time.time()
@@ -336,7 +336,10 @@ def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_resta
         say(f"app handle: {handle}")
         if detach:
             return "SUBMITTED"
-        state = follow(handle, say, log)
+        try:
+            state = follow(handle, say, log)
+        except _interrupts():
+            return _interrupted(handle, scheduler, say)
         if state == "FAILED" and finished_since(output, started):  # the driver went on without it
             say(f"{handle}: the job finished; a node failed during it (see elasticrl logs {handle} ROLE)")
             state = "SUCCEEDED"
@@ -348,11 +351,32 @@ def run_app(app, scheduler: str, cfg: dict, output: str, detach: bool, max_resta
             + (f"resuming from step {step}" if step is not None else "from the start (no checkpoint yet)"))
 
 
+def _interrupts() -> tuple:
+    """What Ctrl-C or SIGTERM raises in this process: KeyboardInterrupt, or TorchX's
+    SignalException once its local scheduler has put in its handler."""
+    from torchx.schedulers.local_scheduler import SignalException
+
+    return KeyboardInterrupt, SignalException
+
+
+def _interrupted(handle: str, scheduler: str, say) -> str:
+    """Ctrl-C while following ``handle``: a local_cwd app, which cannot outlive this command, is
+    stopped (its nodes end their Ray and remove their folders); a Slurm or Kubernetes job goes on."""
+    if scheduler != "local_cwd":
+        say(f"{handle}: interrupted; the job goes on (elasticrl logs {handle}; elasticrl cancel {handle})")
+        return "INTERRUPTED"
+    say(f"{handle}: interrupted; stopping the app")
+    cancel(handle)
+    return "INTERRUPTED"
+
+
 def follow(handle: str, say, log) -> str:
     """Stream the head's log until the app ends; its final state."""
     try:
         for line in log_lines(handle, "head", tail=True):
             log(line.rstrip("\n"))
+    except _interrupts():
+        raise
     except Exception as exc:  # noqa: BLE001 - the log may vanish with the app; the state below decides
         log(f"(log stream ended: {exc})")
     final = wait(handle)

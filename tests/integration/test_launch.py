@@ -261,6 +261,40 @@ def test_a_failed_local_cwd_app_is_submitted_again_up_to_max_restarts(tmp_path):
     assert restarts == ["FAILED; restart 1 of 2, resuming from step 4", "FAILED; restart 2 of 2, resuming from step 4"]
 
 
+def test_ctrl_c_while_following_a_local_cwd_app_stops_it(tmp_path):
+    """Ctrl-C (SIGINT to this process, where TorchX's local scheduler put its handler) while
+    `launch` follows a local_cwd app: the app, which cannot outlive the command, is stopped
+    and run_app answers INTERRUPTED (the CLI's exit 130); before, the first Ctrl-C only ended
+    the log stream and the command went on waiting for the job."""
+    import signal
+
+    from torchx import specs
+
+    from elasticrl.files import started
+    from launch import submit
+
+    head = specs.Role("head", image=str(tmp_path), entrypoint=sys.executable,
+                      args=["-c", "import os, sys, time; print('pid', os.getpid(), file=sys.stderr, flush=True); "
+                                  "time.sleep(120)"],
+                      resource=specs.Resource(cpu=1, gpu=0, memMB=256))
+    said, pids = [], []
+
+    def log(line: str) -> None:
+        if line.startswith("pid "):
+            pids.append(int(line.split()[1]))
+            os.kill(os.getpid(), signal.SIGINT)  # as a terminal's Ctrl-C
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        state = submit.run_app(specs.AppDef("sleeps", roles=[head]), "local_cwd", {}, str(tmp_path / "run"), False,
+                               0, said.append, log)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert state == "INTERRUPTED" and said[-1].endswith(": interrupted; stopping the app"), said
+    assert len(pids) == 1 and started(pids[0]) is None  # the head's process is gone
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """A real Slurm of 8 nodes on this machine, for this module's Slurm tests."""
