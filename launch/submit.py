@@ -362,11 +362,11 @@ def _interrupts() -> tuple:
 def _interrupted(handle: str, scheduler: str, say) -> str:
     """Ctrl-C while following ``handle``: a local_cwd app, which cannot outlive this command, is
     stopped (its nodes end their Ray and remove their folders); a Slurm or Kubernetes job goes on."""
-    if scheduler != "local_cwd":
+    if scheduler == "local_cwd":
+        say(f"{handle}: interrupted; stopping the app")
+        cancel(handle)
+    else:
         say(f"{handle}: interrupted; the job goes on (elasticrl logs {handle}; elasticrl cancel {handle})")
-        return "INTERRUPTED"
-    say(f"{handle}: interrupted; stopping the app")
-    cancel(handle)
     return "INTERRUPTED"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.conftest import ROOT
 
 DOCS = ["README.md", "benchmarks/README.md", "docs/DESIGN.md", "docs/STYLE.md", "tests/README.md"]
@@ -19,8 +21,6 @@ def test_every_path_the_documents_cite_exists():
 def test_the_cli_help_of_every_command(capsys):
     """``elasticrl``, ``elasticrl --help`` and every command's ``--help`` print their text (a
     help holding ``[/N]`` once ended them in rich's markup error), each docstring whole."""
-    import pytest
-
     from elasticrl.cli import app
 
     def help_of(*args: str) -> tuple[int, str]:
@@ -30,12 +30,10 @@ def test_the_cli_help_of_every_command(capsys):
         assert "Traceback" not in out.out + out.err
         return exit_.value.code, " ".join((out.out + out.err).split())
 
-    commands = [c.name or c.callback.__name__ for c in app.registered_commands]
+    docs = {c.name or c.callback.__name__: " ".join(c.callback.__doc__.split()) for c in app.registered_commands}
     code, top = help_of("--help")
-    assert code == 0 and all(f" {name} " in top for name in commands), top
+    assert code == 0 and all(f" {name} " in top for name in docs), top
     assert help_of()[1] == top  # no arguments: the same help (click exits 2 there)
-    for name in commands:
+    for name, doc in docs.items():
         code, text = help_of(name, "--help")
-        doc = " ".join(next(c for c in app.registered_commands if (c.name or c.callback.__name__) == name)
-                       .callback.__doc__.split())
         assert code == 0 and text.startswith(f"Usage: elasticrl {name} ") and doc in text, (name, text)
