@@ -181,6 +181,41 @@ def rollout_env(tp_size: int, threads: int) -> dict[str, str]:
     return env
 
 
+# What vLLM logged at every engine start and nobody can act on, by logger: each message follows
+# from a setting made on purpose (rollout_env, rollout_kwargs) or from vLLM's CPU build.
+# ``quiet_vllm`` drops these from the console; everything else vLLM says stays.
+VLLM_EXPECTED = {
+    "vllm.engine.arg_utils": ("The global random seed is set to",  # the in-process engine, seeded on purpose
+                              "This model does not officially support disabling chunked prefill"),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled",  # CPU engines run eager
+                         "Model Runner V2 requires Triton"),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+    "vllm.v1.worker.cpu_worker": ("%s is not found in LD_PRELOAD",  # tcmalloc, Intel OpenMP: optional
+                                  "CPU backend doesn't allow to use `torch.set_num_threads`"),  # its own calls
+    "vllm.model_executor.models.utils": ("Attempted to load weight %s with dtype %s into",),  # fp32 files, bf16 engine
+}
+
+
+class _Expected(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.starts))
+
+
+def quiet_vllm() -> None:
+    """Filter ``VLLM_EXPECTED`` out of vLLM's loggers, before vLLM is imported (vLLM's logging
+    set-up replaces its handlers but keeps existing loggers), and torch's note that Triton is
+    missing (vLLM's CPU build runs without it)."""
+    for name, starts in VLLM_EXPECTED.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Expected) for f in logger.filters):
+            logger.addFilter(_Expected(starts))
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+
+
 def uses_vllm(requested: str) -> bool:
     """Whether the engines are vLLM's: the transformers fallback only when asked (``hf``) or
     when vLLM is missing (``auto``, with a warning)."""

@@ -27,8 +27,10 @@ def worker_env() -> dict[str, str]:
         "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
-        # torch warns on every gloo all-gather that DeepSpeed issues; nothing a user can act on.
-        "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger",
+        # torch warns on every gloo all-gather that DeepSpeed issues, and when vLLM's import
+        # looks over torch.distributed's attributes; nothing a user can act on.
+        "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger,"
+                          "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
     }
     for key in ("ELASTICRL_CACHE", "ELASTICRL_FORCE_CPU", "HF_HUB_OFFLINE"):
         if key in os.environ:

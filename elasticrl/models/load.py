@@ -108,7 +108,9 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False, ds_config:
     rank never holds the whole model.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per rank and model, interleaved by Ray: noise
     keep_alive = _zero3_context(ds_config)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust_remote_code,
                                                  use_safetensors=True, **_attention(),  # never a pickled checkpoint

@@ -58,6 +58,7 @@ class RolloutEngine:
         # vLLM patches inductor's lowering at import, for graphs it compiles; CPU engines run
         # eager and never lower: ~1 s of each engine's start (a vLLM that needs it imports it)
         skipped = () if backend.has_gpu() else ("torch._inductor.lowering",)
+        backend.quiet_vllm()
         try:
             with backend.heavy_imports(), backend.modules_skipped(skipped):
                 from vllm import LLM
@@ -75,6 +76,7 @@ class RolloutEngine:
                        trust_remote_code=a["trust_remote_code"],
                        worker_extension_cls="elasticrl.rollout.worker_ext.WeightReceiver",
                        load_format="safetensors",  # never a pickled checkpoint
+                       use_tqdm_on_load=False,
                        # the sampled tokens' log-probs under the distribution they were drawn from
                        # (after temperature, top-k, top-p), as the trainer scores them
                        logprobs_mode="processed_logprobs",

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from elasticrl import backend
 from elasticrl.weights import receive, shm
+
+backend.quiet_vllm()  # in an engine's worker processes too (TP > 1), which import this module
 
 ADAPTER_ID = 1  # the trained adapter's id in vLLM: each sync replaces it in place
 
