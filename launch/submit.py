@@ -272,18 +272,18 @@ def slurm_nodes(job_id: str) -> str:
 
 def status(handle: str) -> tuple[str, str]:
     """(state, detail) of an app; ``detail`` names the app roles' replicas (on Slurm their nodes)
-    and their states where known."""
-    _split(handle)
+    and their states where known. An app the scheduler does not know is a SchedulerError."""
+    from torchx.specs.api import UnknownAppException
+
+    scheduler, _, app_id = _split(handle)
     try:
         with scheduler_calls(handle):
             st = runner().status(handle)
+            if st is None:
+                raise UnknownAppException(handle)
     except AssertionError:  # torchx 0.7.0 on states such as 'CANCELLED by 0'
-        scheduler, _, app_id = _split(handle)
         state = slurm_state(app_id) if scheduler == "slurm" else None
         return (state.split()[0] if state else "UNKNOWN"), ""
-    if st is None:
-        return "UNKNOWN", f"no such app: {handle}"
-    scheduler, _, app_id = _split(handle)
     if scheduler == "slurm":
         roles = slurm_nodes(app_id) + _told(handle, slurm_restarts(app_id))
     else:
@@ -380,6 +380,6 @@ def follow(handle: str, say, log) -> str:
     except Exception as exc:  # noqa: BLE001 - the log may vanish with the app; the state below decides
         log(f"(log stream ended: {exc})")
     final = wait(handle)
-    state = str(final.state).split(".")[-1] if final else status(handle)[0]
+    state = str(final.state).split(".")[-1] if final else "UNKNOWN"  # the scheduler forgot it
     say(f"{handle}: {state}")
     return state

@@ -291,6 +291,7 @@ CASES = [
      "slurm: `sacct --parsable2 -j 7` ended with exit status 1 (its message is above); check that Slurm answers"),
     ("cancel-no-slurm", [_no_slurm], ["cancel", "slurm://torchx/7"], 2, "slurm: sacct is not on this machine's PATH"),
     ("logs-no-such-app", [], ["logs", "local_cwd://s/gone"], 2, "local_cwd://s/gone: no such app (a local_cwd app"),
+    ("status-no-such-app", [], ["status", "local_cwd://s/gone"], 2, "local_cwd://s/gone: no such app (a local_cwd app"),
     ("status-kubernetes-id", [], ["status", "kubernetes://default/job"], 2, "(kubernetes: APP_ID is NAMESPACE:NAME)"),
     ("launch-no-kube-cluster", [_no_kube_config], ["launch", GRPO, "-s", "kubernetes", "-o", "{tmp}/out"], 1,
      "kubernetes: LocationValueError: No host specified.; check that this machine reaches the cluster"),
