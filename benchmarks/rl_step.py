@@ -8,7 +8,10 @@ same model folder and prompt texts. Runs alternate, `--rounds` each; every run p
 load average before it, s/step of the steps after the first (median), per phase where the
 framework tells, launch -> end of step 1, peak memory summed over the run's processes (resident,
 and proportional: PSS divides a shared page between the processes that map it), and
-the completion tokens per step (the same work is checked: 64 x 128 on both sides). The last
+the completion tokens per step (the same work is checked: 64 x 128 on both sides). Each
+framework runs twice a round: timed, then with its memory sampled twice a second (reading
+the smaps of elasticrl's ~20 processes costs ~0.05-0.1 CPU-s a sample, ~4 CPU-s over a run:
+on two cores it slowed the start it would time; TRL's one process costs a tenth of that). The last
 line holds the ratios and the compute floor (the step's matmul FLOPs at the matmul rate
 measured here, at 2048-square and at the step's own shapes).
 
@@ -35,12 +38,12 @@ SPEC = ROOT / "benchmarks" / "rl_step.yaml"
 TRL_PYTHON = ROOT / "benchmarks" / ".trl-venv" / "bin" / "python"
 
 
-def _run(cmd: list[str], first_step, env=None) -> dict:
+def _run(cmd: list[str], first_step, memory: bool) -> dict:
     """Run ``cmd``; ``first_step(line)`` tells whether step 1 has ended, from a line of its output
-    (or, called with None twice a second, from its files)."""
+    (or, called with None twice a second, from its files). With ``memory`` the process tree's
+    memory is sampled twice a second, which costs CPU (below); without, the peaks are 0."""
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, peak, first = [], {"rss": 0, "pss": 0}, None
 
     def read():
@@ -53,8 +56,9 @@ def _run(cmd: list[str], first_step, env=None) -> dict:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     while proc.poll() is None:
-        now = tree_memory(proc.pid)
-        peak = {k: max(v, now[k]) for k, v in peak.items()}
+        if memory:
+            now = tree_memory(proc.pid)
+            peak = {k: max(v, now[k]) for k, v in peak.items()}
         if first is None and first_step(None):
             first = time.time() - t0
         time.sleep(0.5)
@@ -65,7 +69,7 @@ def _run(cmd: list[str], first_step, env=None) -> dict:
             "peak_pss_gb": peak["pss"] / 1e9, "out": out}
 
 
-def _elasticrl(args, model_dir: Path, sets: list[str] = ()) -> dict:
+def _elasticrl(args, model_dir: Path, sets: list[str], memory: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="rl-step-"))
     metrics = out / "run" / "metrics.jsonl"
 
@@ -74,7 +78,7 @@ def _elasticrl(args, model_dir: Path, sets: list[str] = ()) -> dict:
 
     r = _run([str(ROOT / ".venv/bin/elasticrl"), "run", str(SPEC), "--output", str(out / "run"), "--set",
               f"rl.num_steps={args.steps}", "--set", f"model.dtype={args.dtype}",
-              *(x for kv in sets for x in ("--set", kv))], step1)
+              *(x for kv in sets for x in ("--set", kv))], step1, memory)
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     steps = [x for x in rows if x["step"] > 1]
     return {"framework": "elasticrl", "s_per_step": statistics.median(x["time/step"] for x in steps),
@@ -83,9 +87,10 @@ def _elasticrl(args, model_dir: Path, sets: list[str] = ()) -> dict:
             "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"], "peak_pss_gb": r["peak_pss_gb"]}
 
 
-def _trl(args, model_dir: Path, prompts: Path) -> dict:
+def _trl(args, model_dir: Path, prompts: Path, memory: bool) -> dict:
     r = _run([str(TRL_PYTHON), str(ROOT / "benchmarks/trl_grpo.py"), str(model_dir), str(prompts), "--steps",
-              str(args.steps), "--dtype", args.dtype], lambda line: line is not None and line.startswith('{"step": 1,'))
+              str(args.steps), "--dtype", args.dtype], lambda line: line is not None and line.startswith('{"step": 1,'),
+             memory)
     recs = [json.loads(ln) for ln in r["out"] if ln.startswith('{"')]  # ours; TRL prints dicts too
     steps = [x for x in recs if "step" in x and x["step"] > 1]
     logs = [x["log"] for x in recs if "log" in x and "completions/mean_length" in x["log"]]
@@ -94,6 +99,12 @@ def _trl(args, model_dir: Path, prompts: Path) -> dict:
             "rest": statistics.median(x["seconds"] - x["generate"] for x in steps),
             "completion_tokens": [round(x["completions/mean_length"] * 64) for x in logs],
             "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"], "peak_pss_gb": r["peak_pss_gb"]}
+
+
+def _one(name: str, args, model_dir: Path, prompts: Path, memory: bool) -> dict:
+    if name == "trl":
+        return _trl(args, model_dir, prompts, memory)
+    return _elasticrl(args, model_dir, args.before if name == "elasticrl_before" else [], memory)
 
 
 def _matmul_tflops(dtype, shapes: list[tuple[int, int, int]], threads: int) -> float:
@@ -144,9 +155,9 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in names if rnd % 2 == 0 else names[::-1]:
             load = os.getloadavg()[0]
-            res = _trl(args, model_dir, prompts) if name == "trl" else _elasticrl(
-                args, model_dir, args.before if name == "elasticrl_before" else [])
-            res.update(framework=name, round=rnd + 1, dtype=args.dtype, load_before=round(load, 2))
+            res, mem = _one(name, args, model_dir, prompts, False), _one(name, args, model_dir, prompts, True)
+            res.update(peak_gb=mem["peak_gb"], peak_pss_gb=mem["peak_pss_gb"], framework=name, round=rnd + 1,
+                       dtype=args.dtype, load_before=round(load, 2))
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
             results[name].append(res)
     # the step's matmul work: generation 2 P per token, reference forward 2 P, train 6 P, per token
