@@ -153,9 +153,12 @@ def _remove_what_a_failed_run_began(output: Path) -> None:
 def localhost_only() -> None:
     """A run of its own Ray on one machine listens on 127.0.0.1 only: every Ray server, agent
     and metrics endpoint binds where Ray's node address is, and Ray takes the loopback one
-    when its flag for one-machine clusters is off (read once, when Ray is first imported)."""
+    when its flag for one-machine clusters is off (read once, when Ray is first imported). It
+    takes token authentication, Ray's default for a new local cluster, asked for by name: Ray
+    then says nothing of it (left to its default, it prints a notice on every run)."""
     if "ray" not in sys.modules:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def quiet_libraries() -> None:
