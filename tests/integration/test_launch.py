@@ -373,7 +373,8 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
        requeues it (--max-restarts, TorchX's retries), it resumes from its newest checkpoint,
        `elasticrl status` tells the restart, the re-formed role and the engine lost, and the
        job finishes: its policy exported, every step's metrics row once, every node gone
-       and nothing of the job left behind."""
+       and nothing of the job left behind;
+    5. a Slurm that answers with an error: `elasticrl status` says so in one line, exit 2."""
     from tests.integration.conftest import PPO_ROLES
     from tests.integration.faults import actor_pids, logged_step
     from tests.integration.test_resume import SAME
@@ -492,6 +493,14 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
         logs = {p.name: _tail(p) for p in tmp_path.glob("slurm-*.err")}
         raise AssertionError(f"{exc}: left {left()}; the nodes' last lines: {logs}") from None
     print(f"{time.time() - killed:.0f} s from the head's kill to every node's files gone")
+    # 5. a Slurm that answers with an error (an empty configuration: its commands exit 1 at once,
+    #    'ClusterName needs to be specified'): one line, not TorchX's trace
+    (tmp_path / "empty.conf").write_text("")
+    bad = _run(["status", handle], tmp_path, timeout=120, env={"SLURM_CONF": str(tmp_path / "empty.conf")})
+    said = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(said) == 1, bad.stderr[-3000:]
+    assert said[0].startswith(f"error: slurm: `sacct --parsable2 -j {job_id}` ended with exit status 1 (its message "
+                              "is above); check that Slurm answers"), said
 
 
 def _rows_by_step(out: Path) -> dict[int, dict]:
