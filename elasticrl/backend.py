@@ -147,6 +147,8 @@ def import_heavy(*modules: str) -> float:
     """Import ``modules`` (what a role's set-up is about to import) under ``heavy_imports``;
     the seconds it took (a role's start-up figures)."""
     t0 = time.time()
+    if not has_gpu():  # DeepSpeed would look for an accelerator, and warn in each rank that it found none
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with heavy_imports():
         for name in modules:
             importlib.import_module(name)
