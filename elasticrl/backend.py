@@ -145,9 +145,10 @@ def modules_skipped(names):
 
 def import_heavy(*modules: str) -> float:
     """Import ``modules`` (what a role's set-up is about to import) under ``heavy_imports``;
-    the seconds it took (a role's start-up figures)."""
+    the seconds it took (a role's start-up figures). In a process without a GPU, DeepSpeed's
+    accelerator is named first: it would look for one, and warn in each rank that it found none."""
     t0 = time.time()
-    if not has_gpu():  # DeepSpeed would look for an accelerator, and warn in each rank that it found none
+    if not has_gpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with heavy_imports():
         for name in modules:
