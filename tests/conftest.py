@@ -120,3 +120,43 @@ def stopped_at(run: Path, step: int, into: Path) -> Path:
     shutil.copytree(run / "checkpoints" / name, into / "checkpoints" / name)
     shutil.copy(run / "metrics.jsonl", into / "metrics.jsonl")
     return into
+
+
+# the metrics a resumed or recovered run must repeat; timings and throughputs do not
+SAME = ("reward/mean", "accuracy", "policy_loss", "value_loss", "kl", "entropy", "grad_norm", "lr", "eval/accuracy",
+        "eval/pass@2", "loss", "eval/margin", "eval/pairwise_accuracy", "reward/margin", "round/records",
+        "round/reward_mean", "sync/version", "rl/staleness", "step_accuracy", "eval/step_accuracy",
+        "eval/best_of_n_accuracy", "kl_ref", "eval/compare_accuracy")
+
+
+def metric_rows(out: Path) -> dict[int, dict]:
+    """A run's metrics rows by step (rows of one step merged: conditional SFT's last two)."""
+    rows: dict[int, dict] = {}
+    for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        rows.setdefault(row["step"], {}).update(row)
+    return rows
+
+
+def same_after(a: Path, b: Path, step: int, tol: float = 0.0) -> None:
+    """Every row of run ``a`` after ``step`` is in run ``b`` with the same figures (to ``tol``),
+    and ``b`` has no other rows."""
+    ra, rb = metric_rows(a), metric_rows(b)
+    assert sorted(rb) == sorted(ra), (sorted(ra), sorted(rb))
+    for s in sorted(k for k in ra if k > step):
+        for key in SAME:
+            if key in ra[s]:
+                assert rb[s][key] == pytest.approx(ra[s][key], abs=tol, rel=0), (s, key, ra[s][key], rb[s][key])
+
+
+def resumes_exactly(run, spec, straight: Path, step: int, capsys) -> Path:
+    """``straight`` stopped after ``step`` (``stopped_at``) and resumed by ``run(spec, folder)``:
+    the run says it resumed there (one that started over would repeat the same rows) and
+    repeats the rows after it (``same_after``). Returns the resumed run's folder."""
+    from elasticrl.engine.checkpoint import RESUMING
+
+    resumed = stopped_at(straight, step, straight.parent / f"resumed-at-{step}")
+    capsys.readouterr()
+    run(spec, resumed)
+    assert f"{RESUMING} step_{step:07d} (step {step})" in capsys.readouterr().err
+    same_after(straight, resumed, step)
+    return resumed

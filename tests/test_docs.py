@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-DOCS = ["README.md", "benchmarks/README.md", "docs/DESIGN.md", "docs/STYLE.md", "tests/README.md"]
+DOCS = ["README.md", "benchmarks/README.md", "docs/DESIGN.md", "docs/STYLE.md", "docs/algorithms.md", "tests/README.md"]
 PATH = re.compile(r"(?<![\w/.-])((?:tests|benchmarks|scripts|examples|docs)/[\w/.-]+\.(?:py|yaml|sh|md))")
 
 

@@ -8,6 +8,12 @@ the end-of-text token" and "token-level KL"). Every estimator returns
 ``(advantages_bt, returns_bt)``; returns are the critic's targets (GAE) or equal the
 advantages. Global whitening (REINFORCE++) is applied by the caller with statistics over
 every data-parallel rank (see ``normalize.masked_whiten``).
+
+The group estimators (grpo, dr_grpo, rloo, reinforce++_baseline) take their statistics in
+float64, give a group whose rewards are all equal (to 1e-6) exactly zero, and keep the KL
+penalty of ``rl.kl_mode: reward``: each token's advantage is its response's group advantage
+plus the penalty from that token to the end (OpenRLHF's order; docs/algorithms.md compares
+them with the peers' code term by term).
 """
 from __future__ import annotations
 
@@ -39,10 +45,30 @@ def discounted_returns(token_rewards_bt: torch.Tensor, mask_bt: torch.Tensor, ga
 
 
 def _groups(x_b: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rewards as [prompts, group_size], in float64: the mean of eight fp32 0.7s is a ulp off
+    in fp32, which a zero std would blow up."""
     if group_size < 2 or x_b.shape[0] % group_size:
         raise ValueError(f"rl.samples_per_prompt: group estimators need >= 2 samples per prompt and whole "
                          f"groups, got {x_b.shape[0]} responses in groups of {group_size}")
-    return x_b.float().view(-1, group_size)
+    return x_b.double().view(-1, group_size)
+
+
+def tied(g: torch.Tensor) -> torch.Tensor:
+    """Per group (a row of ``_groups``): its rewards are all equal to 1e-6, so no sample is
+    better than another: its advantages are 0, and dynamic sampling drops it."""
+    return (g.max(1).values - g.min(1).values) <= 1e-6
+
+
+def _per_token(adv_g: torch.Tensor, g: torch.Tensor, rewards_b, token_rewards_bt, mask_bt, gamma=1.0):
+    """Group advantages ``adv_g`` (0 for a tied group) on every token of their response, plus
+    the KL penalty still to come: the token rewards less the outcome (``-rl.kl_coef * KL`` per
+    token in ``rl.kl_mode: reward``, else 0), summed from each token to the end (discounted by
+    ``gamma``, rl.gamma, 1 by default)."""
+    adv_b = torch.where(tied(g)[:, None], torch.zeros_like(adv_g), adv_g).view(-1)
+    adv = adv_b.to(mask_bt.dtype).view(-1, 1) * mask_bt
+    if token_rewards_bt is not None:
+        adv = adv + discounted_returns(token_rewards_bt - last_token_rewards(rewards_b, mask_bt), mask_bt, gamma)
+    return adv, adv
 
 
 @ADVANTAGES.register("gae")
@@ -78,8 +104,8 @@ def reinforce_pp(*, token_rewards_bt, mask_bt, gamma=1.0, **_):
 def reinforce_pp_baseline(*, rewards_b, token_rewards_bt, mask_bt, group_size, gamma=1.0, **_):
     """REINFORCE++ with the group's mean reward subtracted from each outcome reward first."""
     g = _groups(rewards_b, group_size)
-    centred = (g - g.mean(1, keepdim=True)).view(-1)
-    shaped = token_rewards_bt - last_token_rewards(rewards_b, mask_bt) + last_token_rewards(centred, mask_bt)
+    centred = torch.where(tied(g)[:, None], torch.zeros_like(g), g - g.mean(1, keepdim=True))
+    shaped = token_rewards_bt - last_token_rewards(rewards_b, mask_bt) + last_token_rewards(centred.view(-1), mask_bt)
     returns = discounted_returns(shaped, mask_bt, gamma)
     return returns, returns
 
@@ -94,34 +120,29 @@ def overlong_penalty(lengths_b: torch.Tensor, max_len: int, buffer: int, penalty
 def varying_groups(rewards_b: torch.Tensor, group_size: int) -> torch.Tensor:
     """Indices of the responses whose prompt's group has rewards that vary (DAPO's dynamic
     sampling drops the others: their group-relative advantages are all 0)."""
-    g = rewards_b.view(-1, group_size)
-    keep = (g.max(1).values - g.min(1).values) > 1e-6
+    keep = ~tied(rewards_b.double().view(-1, group_size))
     return keep.repeat_interleave(group_size).nonzero().flatten()
 
 
-def _broadcast(adv_b: torch.Tensor, mask_bt: torch.Tensor):
-    adv = adv_b.view(-1, 1) * mask_bt
-    return adv, adv
-
-
 @ADVANTAGES.register("grpo")
-def grpo(*, rewards_b, mask_bt, group_size, eps=1e-6, **_):
+def grpo(*, rewards_b, mask_bt, group_size, token_rewards_bt=None, gamma=1.0, eps=1e-6, **_):
     """GRPO: (r - mean of the group) / (std of the group + eps), unbiased std, every token."""
     g = _groups(rewards_b, group_size)
-    return _broadcast(((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + eps)).view(-1), mask_bt)
+    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + eps)
+    return _per_token(adv, g, rewards_b, token_rewards_bt, mask_bt, gamma)
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo(*, rewards_b, mask_bt, group_size, **_):
+def dr_grpo(*, rewards_b, mask_bt, group_size, token_rewards_bt=None, gamma=1.0, **_):
     """Dr. GRPO: r - mean of the group, no division by the std (pair with the
     ``seq_sum_norm`` loss aggregation, which also drops the length normalisation)."""
     g = _groups(rewards_b, group_size)
-    return _broadcast((g - g.mean(1, keepdim=True)).view(-1), mask_bt)
+    return _per_token(g - g.mean(1, keepdim=True), g, rewards_b, token_rewards_bt, mask_bt, gamma)
 
 
 @ADVANTAGES.register("rloo")
-def rloo(*, rewards_b, mask_bt, group_size, **_):
+def rloo(*, rewards_b, mask_bt, group_size, token_rewards_bt=None, gamma=1.0, **_):
     """RLOO: r minus the mean reward of the other n-1 samples of its prompt."""
     g = _groups(rewards_b, group_size)
     loo = (g.sum(1, keepdim=True) - g) / (group_size - 1)
-    return _broadcast((g - loo).view(-1), mask_bt)
+    return _per_token(g - loo, g, rewards_b, token_rewards_bt, mask_bt, gamma)

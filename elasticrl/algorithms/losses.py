@@ -22,16 +22,22 @@ def token_mean(loss_bt, mask_bt, num_tokens=None, **_):
 
 @AGGREGATIONS.register("seq_mean_token_mean")
 def seq_mean_token_mean(loss_bt, mask_bt, num_seqs=None, **_):
-    """Mean over responses of each response's token mean (the original GRPO)."""
-    per_seq = (loss_bt * mask_bt).sum(1) / mask_bt.sum(1).clamp(min=1)
-    return per_seq.sum() / (loss_bt.shape[0] if num_seqs is None else num_seqs)
+    """Mean over responses of each response's token mean (the original GRPO). A response with
+    no token in the loss (dropped, or cut by rl.overlong_filter) is no response here: it
+    counts in neither sum (``num_seqs``: the global count of the others), as in verl and
+    OpenRLHF."""
+    tokens = mask_bt.sum(1)
+    per_seq = (loss_bt * mask_bt).sum(1) / tokens.clamp(min=1)
+    return per_seq.sum() / ((tokens > 0).sum().clamp(min=1) if num_seqs is None else num_seqs)
 
 
 @AGGREGATIONS.register("seq_sum_norm")
-def seq_sum_norm(loss_bt, mask_bt, norm_length=None, num_seqs=None, **_):
-    """Token sum / (responses x a constant length): Dr. GRPO's length-unbiased form."""
+def seq_sum_norm(loss_bt, mask_bt, norm_length=None, num_rows=None, **_):
+    """Token sum / (responses x a constant length): Dr. GRPO's length-unbiased form. The
+    constants are the mini-batch's rows, every one counted (``num_rows``: the global count),
+    and the longest response the job allows (``norm_length``; the paper's generation budget)."""
     norm = norm_length if norm_length is not None else mask_bt.shape[1]
-    return (loss_bt * mask_bt).sum() / ((loss_bt.shape[0] if num_seqs is None else num_seqs) * norm)
+    return (loss_bt * mask_bt).sum() / ((loss_bt.shape[0] if num_rows is None else num_rows) * norm)
 
 
 def aggregate(loss_bt, mask_bt, aggregation: str = "token_mean", **kwargs):

@@ -17,11 +17,13 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | None = None,
                   eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over masked entries (population std), from ``moments`` if given."""
+    """(x - mean) / sqrt(var + eps) over masked entries (population variance), from ``moments``
+    if given. The epsilon is inside the root, as in verl and OpenRLHF: a batch whose values
+    are all tied up to fp32 noise (var ~1e-15) stays ~0 instead of being blown up to +-1."""
     s, ss, n = (moments if moments is not None else masked_moments(x, mask)).tolist()
     mean = s / n
     var = max(ss / n - mean * mean, 0.0)
-    out = (x - mean) / (var ** 0.5 + eps) if shift_mean else x / (var ** 0.5 + eps)
+    out = ((x.double() - mean) if shift_mean else x.double()) / (var + eps) ** 0.5
     return (out * mask).to(x.dtype)
 
 

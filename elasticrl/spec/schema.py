@@ -245,7 +245,9 @@ class RLSpec:
     kl_coef: float = doc("KL coefficient to the reference model; 0 skips the reference entirely.", 0.0, min=0)
     kl_estimator: Literal["k1", "k2", "k3"] = doc("KL estimator (k3 is unbiased and non-negative).", "k1")
     kl_mode: Literal["reward", "loss"] = doc(
-        "'reward': a per-token penalty in the reward (PPO, REINFORCE++); 'loss': a loss term (GRPO).", "reward")
+        "'reward': a per-token penalty in the reward, which every estimator's advantages carry (the group "
+        "estimators add its return from each token to the group advantage); 'loss': a loss term (the GRPO "
+        "paper's).", "reward")
     entropy_coef: float = doc("Entropy bonus coefficient.", 0.0, min=0)
     gamma: float = doc("Discount over tokens.", 1.0, min=0, max=1)
     lam: float = doc("GAE lambda.", 0.95, min=0, max=1)
@@ -437,7 +439,7 @@ class PlacementSpec:
 class InitSpec:
     sft_steps: int = doc(
         "Warm start: when model.path is null, first fine-tune the embedded model on the world's SFT data "
-        "for this many steps (cached by its settings) and start RL from it; 0 starts from the raw model.",
+        "for this many steps (cached by its settings) and start the job from it; 0 starts from the raw model.",
         0, min=0)
     sft_lr: float = doc("Learning rate of the warm-start SFT.", 1e-3, min=0, exclusive_min=True)
     rm_steps: int = doc(

@@ -16,7 +16,6 @@ Run it:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -62,13 +61,13 @@ def conditioned_data(spec: JobSpec, folder: Path) -> tuple[str, str, str]:
 def run_conditional(spec: JobSpec, output: Path) -> dict:
     from elasticrl.models.evaluate import greedy_accuracy
     from elasticrl.models.load import load_causal_lm, load_tokenizer
-    from elasticrl.trainers.sft import run_sft
+    from elasticrl.trainers.sft import train_sft
 
     d = spec.data
     check_user_files(spec, (d.prompt_key, d.response_key, spec.conditional.attributes_key),
                      (d.prompt_key, d.answer_key))
     train, evals, compare = conditioned_data(spec, output / "conditional")
-    summary = run_sft(dataclasses.replace(spec, data=dataclasses.replace(spec.data, train=train, eval=evals)), output)
+    summary = train_sft(spec, output, {"train": train, "eval": evals})
     if spec.conditional.compare_attributes and spec.export.enabled:
         # the same held-out prompts asked for the compared attributes, on the exported model
         model = load_causal_lm(output / "final", spec.model.trust_remote_code)

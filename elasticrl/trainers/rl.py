@@ -516,13 +516,15 @@ def engines_asleep(run: Run, s: Step):
     hybrid = run.spec.placement.colocate == "all"
     if hybrid:
         with _timed(s, "train"):
-            run.roles.pool.call("sleep")
+            slept = run.roles.pool.call("sleep")
     try:
         yield
     finally:
         if hybrid:
             with _timed(s, "train"):
-                run.roles.pool.call("wake", ["weights"])
+                woke = run.roles.pool.call("wake", ["weights"])
+            # what the hybrid engine costs a step (a CPU engine's restart with rollout.cpu_sleep: restart)
+            s.info["rollout/sleep_wake_s"] = max(a["seconds"] + b["seconds"] for a, b in zip(slept, woke))
 
 
 def train(run: Run, s: Step) -> None:

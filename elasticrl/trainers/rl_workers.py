@@ -35,9 +35,13 @@ def _minibatches(num_rows: int, global_batch: int, epochs: int, seed: int):
             yield perm[start:start + global_batch]
 
 
-def _denominators(batch: Experience, index: torch.Tensor) -> dict:
-    mask = batch.response_mask[index]
-    return {"num_tokens": mask.sum(), "num_seqs": len(index), "norm_length": mask.shape[1]}
+def _denominators(batch: Experience, index: torch.Tensor, spec) -> dict:
+    """A mini-batch's global counts, which each micro-batch's loss divides by (``aggregate``):
+    its tokens in the loss, its responses with any, its rows, and the most model tokens a
+    response may have (seq_sum_norm's constant: rl.max_new_tokens a turn)."""
+    mask, rl = batch.response_mask[index], spec.rl
+    return {"num_tokens": mask.sum(), "num_seqs": (mask.sum(1) > 0).sum().clamp(min=1), "num_rows": len(index),
+            "norm_length": rl.max_new_tokens * (rl.max_turns if spec.rollout.environment else 1)}
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -113,7 +117,7 @@ class ActorWorker(_TrainedRole):
         loss_sum = 0.0
         num_rows = batch.num_rows
         for k, index in enumerate(_minibatches(num_rows, self.train.global_batch_size, rl.epochs, s.seed + step)):
-            denom = _denominators(batch, index)
+            denom = _denominators(batch, index, self.spec)
             for mb in self._micro(batch, index):
                 logits = self._logits(mb)
                 logp = token_logprobs(logits, mb.labels, rl.temperature)
@@ -190,7 +194,7 @@ class CriticWorker(_TrainedRole):
         for index in _minibatches(batch.num_rows, self.train.global_batch_size, rl.epochs,
                                   self.spec.seed + step + 1):
             minibatches += 1
-            denom = _denominators(batch, index)
+            denom = _denominators(batch, index, self.spec)
             for mb in self._micro(batch, index):
                 values = token_values(engine.module, mb.input_ids, mb.attention_mask)[:, :-1]
                 loss = value_loss(values, mb.old_values, mb.returns, mb.response_mask,

@@ -163,7 +163,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
         if Cadence(spec, r.num_rounds * steps).checkpoint((rnd + 1) * steps, since=rnd * steps):
             checkpoints.save({"actor": group}, (rnd + 1) * steps, {
                 "prompts_seen": (rnd + 1) * r.prompts_per_round, "round": rnd + 1, "version": version})
-        progress.update(records=len(records), acc=row["eval/accuracy"])
+        progress.update(records=len(records), **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
     return finish_run(group, spec, output, summary, row, progress, metrics, checkpoints)
 
 

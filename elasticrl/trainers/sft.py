@@ -21,8 +21,8 @@ from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.trainers.loop import check_user_files, data_paths, find_resume, num_steps, offline_loop, prepare_output
+from elasticrl.trainers.warm_start import initial_model
 from elasticrl.trainers.worker import RankWorker
-from elasticrl.world import world_paths
 
 
 class SFTWorker(RankWorker):
@@ -78,16 +78,23 @@ class SFTWorker(RankWorker):
 
 
 def resolve_paths(spec: JobSpec) -> dict[str, str]:
-    """Model and data locations: the spec's, or the embedded tiny world's."""
-    model = spec.model.path or str(world_paths(spec.world)["model"])
-    return {"model": model, **data_paths(spec, "sft", "eval")}
+    """Model and data locations: the spec's, or the embedded tiny world's (its warm start with
+    ``init.sft_steps``: conditional SFT from an SFT model, as SteerLM starts)."""
+    return {"model": initial_model(spec), **data_paths(spec, "sft", "eval")}
 
 
 def run_sft(spec: JobSpec, output: Path) -> dict:
+    return train_sft(spec, output)
+
+
+def train_sft(spec: JobSpec, output: Path, data: dict[str, str] | None = None) -> dict:
+    """An SFT job; ``data``: train and eval files to read instead of the spec's (conditional
+    SFT's attribute-marked copies of them, in the run's folder): the spec, and so each
+    checkpoint, keeps naming the user's files, and a run resumes wherever its folder is."""
     resume = find_resume(spec, output)
     output = prepare_output(spec, output)
     check_user_files(spec, sft_fields(spec.data), prompt_answer(spec.data))
-    paths = resolve_paths(spec)
+    paths = {**resolve_paths(spec), **(data or {})}
     t = spec.train
     total = num_steps(t.max_steps, t.num_epochs, len(read_records(paths["train"], sft_fields(spec.data))),
                       t.global_batch_size)

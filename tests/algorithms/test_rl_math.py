@@ -95,6 +95,48 @@ def test_group_estimators():
     close(adv, [[0.5, 0], [-0.5, -0.5]])
 
 
+def test_group_estimators_keep_the_kl_penalty_of_the_reward():
+    """rl.kl_mode: reward: each token's advantage is its response's group advantage plus the
+    penalty -beta * KL from that token to the end. One group of 2, outcomes [1, 0], 3 tokens,
+    the second response 2 long; KL per token [.2, .4, .6] and [.5, 1, x], beta .1:
+      penalty-to-go  row 0: -.1 * [1.2, 1.0, .6] = [-.12, -.10, -.06]
+                     row 1: -.1 * [1.5, 1.0]     = [-.15, -.10, 0]
+      Dr. GRPO (r - mean = +-.5):  [.38, .40, .44], [-.65, -.60, 0]
+      RLOO (r - the other's r = +-1):  [.88, .90, .94], [-1.15, -1.10, 0]
+      GRPO (+-.5 / (std sqrt(.5) + 1e-6)): +-.707106 plus the same penalties
+    With beta 0 they are the group advantages alone (they were so whatever beta was)."""
+    mask = T([[1.0, 1, 1], [1.0, 1, 0]])
+    kl = T([[0.2, 0.4, 0.6], [0.5, 1.0, 0.0]])
+    rewards = T([1.0, 0.0])
+    token_rewards = last_token_rewards(rewards, mask) - 0.1 * kl
+    kw = {"rewards_b": rewards, "token_rewards_bt": token_rewards, "mask_bt": mask, "group_size": 2}
+    close(ADVANTAGES["dr_grpo"](**kw)[0], [[0.38, 0.40, 0.44], [-0.65, -0.60, 0]])
+    close(ADVANTAGES["rloo"](**kw)[0], [[0.88, 0.90, 0.94], [-1.15, -1.10, 0]])
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    close(ADVANTAGES["grpo"](**kw)[0], [[a - 0.12, a - 0.10, a - 0.06], [-a - 0.15, -a - 0.10, 0]])
+    plain = dict(kw, token_rewards_bt=last_token_rewards(rewards, mask))
+    close(ADVANTAGES["rloo"](**plain)[0], [[1.0, 1, 1], [-1.0, -1, 0]])
+
+
+def test_k3_is_capped_at_10_and_gives_no_gradient_beyond():
+    # r = log(ref/pi) = 5: exp(5) - 1 - 5 = 142.4, capped at 10 (both peers); as a loss term its
+    # gradient in log pi would be exp(5) - 1 = 147.4 per token uncapped: 0 once capped. At r = 1,
+    # under the cap: e - 2, gradient d/dlogpi (e^r - 1 - r) = -(e^r - 1) = -(e - 1).
+    logp = T([0.0, 0.0], requires_grad=True)
+    k3 = KL_ESTIMATORS["k3"](logp, T([5.0, 1.0]))
+    close(k3, [10.0, math.e - 2])
+    k3.sum().backward()
+    close(logp.grad, [0.0, -(math.e - 1)])
+
+
+def test_a_response_out_of_the_loss_counts_in_no_sequence_mean():
+    # rows: token losses [1, 2, 3] (mean 2), [4, x, x] (4), a row with no token in the loss:
+    # (2 + 4) / 2 = 3, not / 3 (verl and OpenRLHF exclude it)
+    loss = T([[1.0, 2, 3], [4.0, 9, 9], [7.0, 7, 7]])
+    mask = T([[1.0, 1, 1], [1.0, 0, 0], [0.0, 0, 0]])
+    close(AGGREGATIONS["seq_mean_token_mean"](loss, mask), 3.0)
+
+
 def test_group_estimators_refuse_bad_groups():
     with pytest.raises(ValueError, match="rl.samples_per_prompt"):
         ADVANTAGES["grpo"](rewards_b=T([1.0, 0, 1]), mask_bt=T([[1.0]] * 3), group_size=2)
@@ -156,7 +198,7 @@ def test_aggregations():
     close(AGGREGATIONS["seq_sum_norm"](loss, mask, norm_length=5), 10 / (2 * 5))
     # global denominators: two "ranks" each holding one response sum to the global mean
     for name, kw in (("token_mean", {"num_tokens": 4}), ("seq_mean_token_mean", {"num_seqs": 2}),
-                     ("seq_sum_norm", {"num_seqs": 2})):
+                     ("seq_sum_norm", {"num_rows": 2})):
         split = AGGREGATIONS[name](loss[:1], mask[:1], **kw) + AGGREGATIONS[name](loss[1:], mask[1:], **kw)
         close(split, AGGREGATIONS[name](loss, mask))
 

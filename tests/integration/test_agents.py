@@ -10,8 +10,7 @@ from elasticrl.cluster import RoleGroup
 from elasticrl.spec import load_spec
 from elasticrl.trainers.rl import run_rl
 from elasticrl.trainers.warm_start import initial_model
-from tests.conftest import EXAMPLES, SEED
-from tests.integration.test_resume import SAME
+from tests.conftest import EXAMPLES, SAME, SEED
 from tests.integration.test_rl import BASE, HF_ENGINE, assert_acid_test
 
 pytestmark = pytest.mark.slow

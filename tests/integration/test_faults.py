@@ -10,9 +10,8 @@ import pytest
 
 from elasticrl.spec import load_spec
 from elasticrl.trainers import run_job
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, SAME
 from tests.integration.faults import Fault
-from tests.integration.test_resume import SAME
 from tests.integration.test_rl import BASE
 
 pytestmark = pytest.mark.slow

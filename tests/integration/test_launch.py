@@ -375,9 +375,9 @@ def test_slurm_ppo_runs_each_model_role_on_its_own_nodes_and_survives_a_lost_rew
        job finishes: its policy exported, every step's metrics row once, every node gone
        and nothing of the job left behind;
     5. a Slurm that answers with an error: `elasticrl status` says so in one line, exit 2."""
+    from tests.conftest import SAME
     from tests.integration.conftest import PPO_ROLES
     from tests.integration.faults import actor_pids, logged_step
-    from tests.integration.test_resume import SAME
     from tests.integration.test_rl import BASE, PPO
 
     before = set(_leftovers(tmp_path))

@@ -3,7 +3,11 @@ DeepSpeed ranks: the reward model must rank held-out pairs; the process reward m
 learn to find the wrong step; DPO, IPO, conservative DPO and KTO must move the policy towards
 the chosen answers on held-out pairs; rejection sampling and iterative DPO must sample with
 vLLM, keep the right records, train, sync and answer their prompts better; conditional SFT must
-train on attribute-marked prompts (its learning on the full example is in the README)."""
+train on attribute-marked prompts and answer differently when asked for another attribute.
+Each algorithm's learning run is also the straight run of its resume: stopped after a
+checkpoint and resumed, it gives the same rows bit for bit, in bf16 too where the CPU has it
+(the reward models, KTO, rejection sampling; conditional SFT in fp32, where its bar was
+measured; DPO's and iterative DPO's are in test_resume.py)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +26,7 @@ from elasticrl.trainers.rounds import run_rounds
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.world import world_paths
 from elasticrl.world.task import is_correct
-from tests.conftest import EXAMPLES, LEARNING
+from tests.conftest import EXAMPLES, LEARNING, SEED, resumes_exactly
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +46,26 @@ PREFERENCE = ["world.max_operand=9", "eval.num_prompts=0", "train.max_steps=24"]
 @pytest.mark.parametrize("variant", [
     ["algorithm=dpo", "preference.loss=ipo"],
     ["algorithm=dpo", "preference.label_smoothing=0.1"],
-    # a pair gives KTO two examples: twice the steps see the same pairs as DPO's 24; LoRA adapters
-    # (at 10x the rate) on the frozen model, which with its adapters off is the reference
-    ["algorithm=kto", "data.packing=true", "train.max_steps=48", "model.lora.rank=8", "train.lr=2e-3"],
-], ids=["ipo", "cdpo", "kto-packed-lora"])
+], ids=["ipo", "cdpo"])
 def test_preference_training_raises_the_held_out_margin(ray_cluster, tmp_path, variant):
     """(DPO's own run, with a precomputed reference and packed pairs, is the straight run of its
-    resume test, in test_resume.py.) Under LoRA the margin starts at exactly 0 too: the reference
-    is the same model with its adapters (B = 0 at the start) switched off."""
+    resume test, in test_resume.py.)"""
     spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + PREFERENCE + variant + LEARNING)
     summary = run_preference(spec, tmp_path / "run")
     check_preference_learned(spec, tmp_path / "run", summary)
+
+
+def test_kto_with_lora_and_packed_examples_learns_and_resumes_exactly(ray_cluster, tmp_path, capsys):
+    """A pair gives KTO two examples: twice the steps see the same pairs as DPO's 24; LoRA
+    adapters (at 10x the rate) on the frozen model, which with its adapters off is the
+    reference, so the margin starts at exactly 0 too (B = 0 at the start). Checkpointed at 36,
+    resumed there: its reference point (a batch's mismatched pairs) repeats too."""
+    spec = load_spec(EXAMPLES / "tiny_dpo.yaml", BASE + PREFERENCE + [
+        "algorithm=kto", "data.packing=true", "train.max_steps=48", "model.lora.rank=8", "train.lr=2e-3", *LEARNING,
+        "checkpoint.every_steps=36", "checkpoint.resume=auto"])
+    straight = tmp_path / "straight"
+    check_preference_learned(spec, straight, run_preference(spec, straight))
+    resumes_exactly(run_preference, spec, straight, 36, capsys)
 
 
 def check_preference_learned(spec, out, summary) -> None:
@@ -104,11 +117,16 @@ def _greedy_accuracy(model_dir, records) -> float:
     return correct / total
 
 
-def test_rejection_sampling_rounds_sample_score_select_train_and_sync(ray_cluster, tmp_path):
-    """(Iterative DPO's learning run is the straight run of its resume test, in test_resume.py.)"""
-    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + ROUNDS_LEARNING + LEARNING)
-    summary = run_rounds(spec, tmp_path / "run")
-    check_rounds_learned(spec, tmp_path / "run", summary)
+def test_rejection_sampling_learns_in_rounds_without_evaluation_and_resumes_exactly(ray_cluster, tmp_path, capsys):
+    """With evaluation off (eval.enabled: false; it once ended the run after its first round),
+    checkpointed at each round's end, resumed after round 2. (Iterative DPO's learning run is
+    the straight run of its resume test, in test_resume.py.)"""
+    spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + ROUNDS_LEARNING + [
+        "eval.enabled=false", "checkpoint.every_steps=16", "checkpoint.resume=auto", *LEARNING])
+    straight = tmp_path / "straight"
+    check_rounds_learned(spec, straight, run_rounds(spec, straight))
+    resumed = resumes_exactly(run_rounds, spec, straight, 32, capsys)
+    assert (resumed / "rounds" / "3.jsonl").read_text() == (straight / "rounds" / "3.jsonl").read_text()
 
 
 def check_rounds_learned(spec, out, summary) -> None:
@@ -117,7 +135,11 @@ def check_rounds_learned(spec, out, summary) -> None:
     the prompts the rounds sampled improved."""
     algorithm = spec.algorithm
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
+    if spec.eval.enabled:
+        assert [r["round"] for r in rows] == [0, 1, 2, 3] and all("eval/accuracy" in r for r in rows)
+    else:  # no round 0 and no evaluation
+        rows = [{"round": 0}] + rows
+        assert [r["round"] for r in rows] == [0, 1, 2, 3] and not any("eval/accuracy" in r for r in rows)
     prompts = read_records(world_paths(spec.world)["rl_prompts"], ("prompt", "answer"))
     answers = {r["prompt"]: r["answer"] for r in prompts}
     for rnd in (1, 2, 3):
@@ -156,10 +178,19 @@ def test_rounds_and_evaluation_sample_with_top_k(ray_cluster, tmp_path):
         assert row["eval/pass@2"] == row["eval/accuracy"], row
 
 
-def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_path):
+def test_conditional_sft_follows_its_attribute_and_resumes_exactly(ray_cluster, tmp_path, capsys):
+    """From the single-digit world's SFT warm start (init.sft_steps: SteerLM starts from an SFT
+    model), 60 steps on attribute-marked data: asked for [quality:1], the model answers the
+    world's training problems (data.eval: its RL prompts) right far more often than asked for
+    [quality:0], which it was taught writes near misses (fp32: seed 1234 0.51 against 0.18, seed
+    7 0.53 against 0.28, of 117 problems; the warm start answered 0.11 and 0.09 at seed 1234:
+    the attribute meant nothing to it).
+    Checkpointed at step 40 and resumed there, it gives the same rows."""
+    problems = world_paths(load_spec({}, ["world.max_operand=9"]).world)["rl_prompts"]
     spec = load_spec(EXAMPLES / "tiny_conditional_sft.yaml", [
-        "model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null", "train.micro_batch_size=16",
-        "train.max_steps=20", "eval.every_steps=0", "eval.num_prompts=32", "eval.max_new_tokens=6"])
+        "model.dtype=fp32", "log.progress_bar=false", "world.max_operand=9", "init.sft_steps=60", SEED,
+        "train.max_steps=60", "eval.every_steps=0", "eval.num_prompts=0", "eval.max_new_tokens=6",
+        f"data.eval={problems}", "checkpoint.every_steps=40", "checkpoint.resume=auto"])
     summary = run_conditional(spec, tmp_path / "run")
     folder = tmp_path / "run" / "conditional"
     train = read_records(folder / "train.jsonl", ("prompt", "response"))
@@ -172,11 +203,18 @@ def test_conditional_sft_trains_on_attribute_prefixed_prompts(ray_cluster, tmp_p
         if prompt in answers:  # near misses are marked 0, right answers 1
             assert is_correct(rec["response"], answers[prompt]) == (tag == "[quality:1] ")
     assert marked["[quality:0] "] > 0 and marked["[quality:1] "] > marked["[quality:0] "]
-    evals = read_records(folder / "eval.jsonl", ("prompt", "answer"))
-    assert all(e["prompt"].startswith("[quality:1] ") for e in evals)
+    assert all(e["prompt"].startswith("[quality:1] ") for e in read_records(folder / "eval.jsonl", ("prompt",)))
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1] == {"step": 20, "eval/compare_accuracy": summary["compare_accuracy"]}
-    assert "eval/accuracy" in rows[-2] and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    first, last = rows[0], rows[-2]
+    assert rows[-1] == {"step": 60, "eval/compare_accuracy": summary["compare_accuracy"]}
+    assert first["step"] == 0 and last["step"] == 60 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    # the attribute now steers the answers: right when asked for quality 1, wrong when asked for 0
+    with capsys.disabled():
+        print(f"conditional SFT: asked for quality 1 {first['eval/accuracy']:.3f} -> {last['eval/accuracy']:.3f}, "
+              f"for quality 0 {summary['compare_accuracy']:.3f}")
+    assert last["eval/accuracy"] >= summary["compare_accuracy"] + 0.15, (last, summary)
+    assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.2, (first, last)
+    resumes_exactly(run_conditional, spec, tmp_path / "run", 40, capsys)
 
 
 # Single-digit operands: the 2M model learns to judge these answers within CI's minutes
@@ -185,18 +223,21 @@ SMALL_WORLD = ["world.max_operand=9", "eval.num_prompts=0", "train.lr=1e-3", "tr
                "train.global_batch_size=64"]
 
 
-def test_reward_model_with_lora_ranks_held_out_pairs_and_exports_a_merged_reward_model(ray_cluster, tmp_path):
+def test_reward_model_with_lora_ranks_held_out_pairs_exports_a_merged_model_and_resumes(ray_cluster, tmp_path,
+                                                                                          capsys):
     """Rank-8 adapters and a value head trained whole (the full fine-tune trains in tests.prepare,
     PPO's reward model); ``export.merge`` writes a plain sequence-classification model that scores
-    the held-out pairs as the trained one did."""
+    the held-out pairs as the trained one did. Resumed from its step-40 checkpoint it repeats the
+    last 20 steps."""
     import torch
 
     from elasticrl.models.load import load_tokenizer, load_value_model, token_values
 
-    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + ["train.max_steps=60", "train.lr=5e-3",
-                                                                      "model.lora.rank=8", "export.merge=true"]
-                     + LEARNING)
+    spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + [
+        "train.max_steps=60", "train.lr=5e-3", "model.lora.rank=8", "export.merge=true", *LEARNING,
+        "checkpoint.every_steps=40", "checkpoint.resume=auto"])
     summary = run_rm(spec, tmp_path / "run")
+    resumes_exactly(run_rm, spec, tmp_path / "run", 40, capsys)  # the adapters and the value head go on
     first, last = summary["initial"], summary["final"]
     # full fine-tunes at lr 5e-4 under 4 seeds: margin 0.001-0.023 -> 1.70-2.99, pairwise accuracy
     # (152 pairs) 0.73-0.77; with LoRA at 5e-3 (bf16, seed 1234): 0.021 -> 3.25, 0.757. A random
@@ -219,11 +260,13 @@ def test_reward_model_with_lora_ranks_held_out_pairs_and_exports_a_merged_reward
     assert sum(m > 0 for m in margins) / len(margins) == pytest.approx(last["eval/pairwise_accuracy"], abs=0.02)
 
 
-def test_process_reward_model_learns_to_find_the_wrong_step(ray_cluster, tmp_path):
+def test_process_reward_model_learns_to_find_the_wrong_step_and_resumes(ray_cluster, tmp_path, capsys):
     # 400 steps: after 200, step accuracy was 0.680-0.744 and best-of-4 0.297-0.609 under 3 seeds
     # (0.676 on another CPU); after 400 they were 0.754-0.824 and 0.484-0.672 (README, Development)
-    spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + ["train.max_steps=400"] + LEARNING)
+    spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + [
+        "train.max_steps=400", *LEARNING, "checkpoint.every_steps=380", "checkpoint.resume=auto"])
     summary = run_prm(spec, tmp_path / "run")
+    resumes_exactly(run_prm, spec, tmp_path / "run", 380, capsys)
     first, last = summary["initial"], summary["final"]
     # 3 steps in 8 are on track: a head that always says 'wrong' scores 62.5 %; picking one
     # of a prompt's 4 solutions at random finds the right one 25 % of the time

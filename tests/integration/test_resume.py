@@ -13,7 +13,7 @@ import pytest
 
 from elasticrl.spec import load_spec
 from elasticrl.trainers import run_job
-from tests.conftest import EXAMPLES, SEED, stopped_at
+from tests.conftest import EXAMPLES, SEED, metric_rows, resumes_exactly, same_after, stopped_at
 from tests.integration.test_preference import BASE as PREFERENCE_BASE
 from tests.integration.test_preference import (
     PREFERENCE,
@@ -26,26 +26,6 @@ from tests.integration.test_rl import BASE as RL_BASE
 from tests.integration.test_rl import HF_ENGINE
 
 pytestmark = pytest.mark.slow
-
-# the metrics that must repeat; timings and throughputs do not
-SAME = ("reward/mean", "accuracy", "policy_loss", "value_loss", "kl", "entropy", "grad_norm", "lr", "eval/accuracy",
-        "eval/pass@2", "loss", "eval/margin", "eval/pairwise_accuracy", "reward/margin", "round/records",
-        "round/reward_mean", "sync/version", "rl/staleness")
-
-
-def _rows(out) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-
-
-def _same_after(a, b, step: int, tol: float = 0.0) -> None:
-    """Every row of ``a`` after ``step`` is in ``b`` with the same figures (to ``tol``), no more rows."""
-    ra, rb = _rows(a), _rows(b)
-    assert sorted(rb) == sorted(ra), (sorted(ra), sorted(rb))
-    for s in sorted(k for k in ra if k > step):
-        for key in SAME:
-            if key in ra[s]:
-                assert rb[s][key] == pytest.approx(ra[s][key], abs=tol, rel=0), (s, key, ra[s][key], rb[s][key])
-
 
 GRPO = RL_BASE + ["rl.num_steps=6", "checkpoint.every_steps=2", "checkpoint.keep=3", "eval.every_steps=3",
                   HF_ENGINE]
@@ -66,10 +46,10 @@ def test_grpo_resumes_exactly_at_fewer_and_at_more_trainer_ranks(grpo, tmp_path)
     one = stopped_at(straight, 2, tmp_path / "one")
     run_job(spec("train.num_ranks=1", "checkpoint.resume=auto"), one)
     # the reduction order of one rank's sums differs from two ranks': float tolerance, not bits
-    _same_after(straight, one, 2, tol=1e-5)
+    same_after(straight, one, 2, tol=1e-5)
     two = stopped_at(one, 4, tmp_path / "two")
     run_job(spec("checkpoint.resume=auto"), two)
-    _same_after(straight, two, 4, tol=1e-5)
+    same_after(straight, two, 4, tol=1e-5)
     state = json.loads((two / "checkpoints" / "step_0000006" / "trainer_state.json").read_text())
     assert state["version"] == 6 and state["prompts_seen"] == 6 * 8 and state["spec"]["train"]["num_ranks"] == 2
     # at load, the weights and moments are the saved ones bit for bit: 2 ranks' checkpoint on 1, 1's on 2
@@ -132,7 +112,7 @@ def test_async_grpo_with_a_remote_reward_stays_within_its_bound_and_resumes_exac
         run_job(spec, resumed)
     finally:
         server.shutdown()
-    rows = _rows(straight)
+    rows = metric_rows(straight)
     # generation ran ahead of training (two versions old at steps 3-4), and restarted at the checkpoint
     assert [rows[s]["rl/staleness"] for s in range(1, 7)] == [0, 1, 2, 2, 0, 1]
     # rl.is_correction auto is tis here: the engine's log-probs of a fresh batch are the trainer's; those of a
@@ -149,7 +129,7 @@ def test_async_grpo_with_a_remote_reward_stays_within_its_bound_and_resumes_exac
     for s in range(1, 7):  # the endpoint scores exact answers: its mean is the batch accuracy
         assert rows[s]["reward/errors"] == rows[s]["reward/errors/flaky"]
         assert rows[s]["reward/mean"] == pytest.approx(rows[s]["accuracy"], abs=1e-6)
-    _same_after(straight, resumed, 4)
+    same_after(straight, resumed, 4)
 
 
 def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_critic(ppo_in_pairs, tmp_path):
@@ -174,7 +154,7 @@ def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_c
     assert {"actor", "reference", "critic", "reward0", "rollout"} <= set(where)
     assert where["actor"] == where["reference"] and where["critic"] == where["reward0"]
     assert len({where["actor"], where["critic"], where["rollout"]}) == 3
-    steps = {s: r for s, r in _rows(straight).items() if s > 0}
+    steps = {s: r for s, r in metric_rows(straight).items() if s > 0}
     assert sorted(steps) == [1, 2, 3]
     assert "policy_loss" not in steps[1]  # the actor is frozen while the critic warms up
     # frozen through step 1, the actor is the reference at steps 1 and 2: the k1 KL is 0 there
@@ -188,11 +168,11 @@ def test_ppo_with_four_model_roles_colocated_in_pairs_resumes_exactly_with_its_c
     assert (straight / "checkpoints" / "step_0000002" / "critic" / "pieces-rank00000.safetensors").is_file()
     resumed = stopped_at(straight, 2, tmp_path / "resumed")
     assert "recoveries" not in run_job(spec, resumed)
-    _same_after(straight, resumed, 2)  # step 3, scored again after the loss, as the resumed run scored it
-    assert all("value_loss" in r for s, r in _rows(resumed).items() if s > 2)
+    same_after(straight, resumed, 2)  # step 3, scored again after the loss, as the resumed run scored it
+    assert all("value_loss" in r for s, r in metric_rows(resumed).items() if s > 2)
 
 
-def test_dpo_with_a_precomputed_reference_and_packed_pairs_learns_and_resumes_exactly(ray_cluster, tmp_path):
+def test_dpo_with_a_precomputed_reference_and_packed_pairs_learns_and_resumes_exactly(ray_cluster, tmp_path, capsys):
     """DPO's learning run (test_preference.py's bars, in fp32 whatever the CPU, so the resumed
     run repeats it bit for bit), checkpointed and evaluated at step 12, resumed from there."""
     spec = load_spec(EXAMPLES / "tiny_dpo.yaml", PREFERENCE_BASE + PREFERENCE + [
@@ -201,24 +181,22 @@ def test_dpo_with_a_precomputed_reference_and_packed_pairs_learns_and_resumes_ex
     straight = tmp_path / "straight"
     summary = run_job(spec, straight)
     check_preference_learned(spec, straight, summary)
-    assert "eval/margin" in _rows(straight)[12]
-    resumed = stopped_at(straight, 12, tmp_path / "resumed")
-    run_job(spec, resumed)
-    _same_after(straight, resumed, 12)
+    assert "eval/margin" in metric_rows(straight)[12]
+    resumes_exactly(run_job, spec, straight, 12, capsys)
 
 
-def test_iterative_dpo_learns_in_rounds_and_resumes_exactly_after_one(ray_cluster, tmp_path):
+def test_iterative_dpo_learns_in_rounds_and_resumes_exactly_after_one(ray_cluster, tmp_path, capsys):
     """The rounds' learning run (test_preference.py's bars, in fp32 whatever the CPU, so the
-    resumed run repeats it bit for bit), checkpointed at each round's end, resumed after round 2."""
+    resumed run repeats it bit for bit), with evaluation off, checkpointed at each round's end,
+    resumed after round 2."""
     spec = load_spec(EXAMPLES / "tiny_rejection_sampling.yaml", ROUNDS + ROUNDS_LEARNING + [
-        "algorithm=iterative_dpo", "checkpoint.every_steps=16", "checkpoint.resume=auto", SEED])
+        "algorithm=iterative_dpo", "checkpoint.every_steps=16", "checkpoint.resume=auto", SEED,
+        "eval.enabled=false"])
     straight = tmp_path / "straight"
     summary = run_job(spec, straight)
     check_rounds_learned(spec, straight, summary)
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_0000032", "step_0000048"]
-    resumed = stopped_at(straight, 32, tmp_path / "resumed")
-    run_job(spec, resumed)
-    _same_after(straight, resumed, 32)
+    resumed = resumes_exactly(run_job, spec, straight, 32, capsys)
     # the resumed run wrote round 3's data again, the same pairs
     assert (resumed / "rounds" / "3.jsonl").read_text() == (straight / "rounds" / "3.jsonl").read_text()
 
@@ -267,7 +245,7 @@ def test_a_trainer_rank_killed_and_later_one_hung_are_recovered_in_the_job(grpo,
     assert (out / "checkpoints" / "step_0000001" / "trainer_state.json").is_file()
     assert sorted(p.name for p in (out / "checkpoints" / "step_0000001" / "actor").glob("pieces-*")) == [
         "pieces-rank00000.safetensors", "pieces-rank00001.safetensors"]
-    assert _rows(out)[5]["fault/seconds_copying"] > 0
+    assert metric_rows(out)[5]["fault/seconds_copying"] > 0
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == list(range(7))
-    assert _rows(out)[6]["fault/trainer_restarts"] == 2 and _rows(out)[6]["fault/seconds_lost"] > 0
-    _same_after(grpo, out, 0)
+    assert metric_rows(out)[6]["fault/trainer_restarts"] == 2 and metric_rows(out)[6]["fault/seconds_lost"] > 0
+    same_after(grpo, out, 0)
