@@ -92,7 +92,7 @@ def table(results: list[dict]) -> str:
         p4 = "; ".join(f"{100 * r['pass@4_before']:.1f} -> {100 * r['pass@4_after']:.1f} %" for r in runs)
         gain = statistics.mean(r["gain_points"] for r in runs)
         lines.append(f"| {name} | {settings} | {acc} | {gain:+.1f} | {p4} | "
-                     f"{statistics.median(r['s_per_step'] for r in runs)} |")
+                     f"{statistics.median(r['s_per_step'] for r in runs):.2f} |")
     return "\n".join(lines)
 
 
