@@ -19,3 +19,8 @@ class Sample:
     prompt_ids: list[int] | None = None
     episode: dict | None = None  # {"reward": the environment's, "error": why it ended early or None, "messages"}
     versions: list[int] | None = None  # rl.fully_async: per token, the weight version that produced it
+
+    @property
+    def episode_reward(self) -> float:
+        """The environment's own reward of an episode (0 for a plain completion)."""
+        return self.episode["reward"] if self.episode else 0.0

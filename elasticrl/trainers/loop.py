@@ -283,6 +283,11 @@ class Cadence:
         every = self.spec.checkpoint.every_steps
         return bool(every) and (self._crosses(every, done, since) or done == self.total)
 
+    def memory_copy(self, done: int) -> bool:
+        """Every ``fault.memory_copy_steps``, where no checkpoint is written anyway."""
+        every = self.spec.fault.memory_copy_steps
+        return bool(every) and done % every == 0 and not self.checkpoint(done)
+
     @staticmethod
     def _crosses(every: int, done: int, since: int | None) -> bool:
         since = done - 1 if since is None else since

@@ -5,12 +5,11 @@ in-memory copy and the recovery of a lost trainer rank (elasticity L3) or frozen
 The step itself is ``trainers.rl``."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import sys
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +23,10 @@ from elasticrl.engine.checkpoint import Resume, list_checkpoints
 from elasticrl.plan.planner import fewer_ranks
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool
-from elasticrl.rollout.stream import Stream
+from elasticrl.rollout.sample import Sample
+from elasticrl.rollout.sources import InStep
 from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.trainers.batch import Experience
 from elasticrl.trainers.copies import PeerCopies
 from elasticrl.trainers.loop import Cadence, Checkpoints, MetricsLog, Progress
 from elasticrl.trainers.rl_workers import ActorWorker, CriticWorker, FrozenWorker
@@ -196,8 +197,6 @@ class Run:
     progress: Progress | None = None
     moments: RunningMoments = field(default_factory=RunningMoments)
     version: int = 0                                 # weight version in the engines
-    drawn: int = 0                                   # prompts drawn so far: the data position
-    pending: deque = field(default_factory=deque)    # (step, indices, handle) rolled out ahead (async)
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     checkpoints: Checkpoints | None = None           # the run's checkpoints (set once the metrics are)
     saved_at: float = field(default_factory=time.time)  # when the newest checkpoint was written (or the start)
@@ -206,18 +205,36 @@ class Run:
     recoveries: list = field(default_factory=list)   # one dict per re-forming: what, when, how long
     scale_seen: float = 0.0                          # when the last `elasticrl scale` request applied was asked
     envs: object = None                              # the environment processes (rollout.environment), or None
-    shown: list = field(default_factory=list)        # the last evaluation's first greedy episodes, for the log
     seconds_lost: float = 0.0                        # to failures: the work redone and the recoveries
     copies: PeerCopies = field(default_factory=PeerCopies)  # the in-memory copy: fault.memory_copy_steps
-    stream: Stream | None = None                     # rl.fully_async: the groups in flight (rollout.stream)
-    segment: Future | None = None                    # what rolls out in a driver thread while the trainers train:
-    #                                                  the stream's rounds, or the next step's episodes (async)
+    source: InStep | None = None                     # where the samples come from (rollout.sources)
     pss_gb: float | None = None                      # the process tree's PSS after the run's first step
-    thread_tokenizer: object = None                  # the tokenizer's copy that thread uses (async episodes)
 
     @property
     def cadence(self) -> Cadence:
         return Cadence(self.spec, self.spec.rl.num_steps)
+
+
+@dataclass
+class Step:
+    """One step's data as it moves through the phases."""
+
+    step: int
+    indices: list[int]                    # the prompts' record indices
+    results: list[Sample]                 # completions, n per prompt, in prompt order
+    generated: int = 0                    # tokens the engines generated for them
+    batch: Experience | None = None       # tensors for the trainers (None: nothing to train on)
+    info: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    sync: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def timed(s: Step, phase: str):
+    t0 = time.time()
+    yield
+    s.seconds[phase] = s.seconds.get(phase, 0.0) + time.time() - t0
 
 
 class Encoded:
@@ -232,41 +249,13 @@ class Encoded:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def in_background(fn, *args) -> Future:
-    """``fn(*args)`` in a thread of its own; the future answers (or raises) what it did."""
-    pool = ThreadPoolExecutor(1)
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)
-
-
-def join_segment(run: Run, failed_ok: bool = False) -> None:
-    """Wait for what rolls out in the background (``Run.segment``); ``failed_ok`` (a recovery,
-    which puts the driver back as the checkpoint has it): the stream's rounds stop after the
-    round in flight, and a failure is dropped."""
-    segment, run.segment = run.segment, None
-    if segment is not None:
-        if run.stream is not None:
-            run.stream.trained.set()
-            if failed_ok:
-                run.stream.halted.set()
-        try:
-            segment.result()
-        except Exception:
-            if not failed_ok:
-                raise
-
-
 def resume_state(run: Run, resume: Resume) -> int:
     """What the driver carries between steps, from a checkpoint (the actor and the critic
     started from it already); returns the step to continue from."""
     state = resume.state
     run.version = state["version"]
-    run.drawn = state.get("prompts_seen", state["step"] * run.spec.rl.prompts_per_step)
     run.moments.mean, run.moments.var, run.moments.count = state["reward_moments"]
-    if run.stream is not None:
-        run.stream.restore(state["stream"])
+    run.source.restore(state)
     return state["step"]
 
 
@@ -281,8 +270,7 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
         raise exc
     t0 = time.time()
     run.restarts += 1
-    run.pending.clear()  # rolled out ahead on weights the restored roles never had
-    join_segment(run, failed_ok=True)
+    run.source.drop()  # rolled out on weights the restored roles never had
     run.checkpoints.salvage()  # a checkpoint the ranks were writing is one if they all finished it
     found = list_checkpoints(run.output / ckpt.CHECKPOINTS)
     source = "the newest checkpoint" if found else "the start"
@@ -294,9 +282,8 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     resume = ckpt.resume_from(found[-1][1]) if found else Resume()
     roles.form_trained(resume, elastic=True)
     if resume.folder is None:
-        run.version, run.moments, run.drawn, start = 0, RunningMoments(), 0, 0
-        if run.stream is not None:
-            run.stream.restore(Stream.EMPTY)
+        run.version, run.moments, start = 0, RunningMoments(), 0
+        run.source.restore(None)
     else:
         start = resume_state(run, resume)
     run.metrics.close()
@@ -329,7 +316,7 @@ def score_again_after_frozen_loss(run: Run, s, exc: RoleError, before: tuple) ->
     print(f"{exc.what} at step {s.step + 1}; re-forming {exc.role} (waiting up to fault.place_timeout_s "
           f"{spec.fault.place_timeout_s:.0f} s for room for it)", file=sys.stderr, flush=True)
     nodes = run.roles.reform_frozen(exc.role)
-    run.drawn, moments, s.indices, s.results, s.generated = before
+    run.source.order.drawn, moments, s.indices, s.results, s.generated = before
     run.moments = copy.deepcopy(moments)
     seconds = time.time() - t0
     run.recoveries.append({"what": exc.what, "step": s.step + 1, "role": exc.role, "nodes": nodes,
@@ -341,7 +328,7 @@ def score_again_after_frozen_loss(run: Run, s, exc: RoleError, before: tuple) ->
 
 def before_scoring(run: Run, s) -> tuple:
     """What ``score_again_after_frozen_loss`` restores."""
-    return run.drawn, copy.deepcopy(run.moments), list(s.indices), list(s.results), s.generated
+    return run.source.order.drawn, copy.deepcopy(run.moments), list(s.indices), list(s.results), s.generated
 
 
 def trained_groups(roles: Roles) -> dict:
@@ -351,10 +338,7 @@ def trained_groups(roles: Roles) -> dict:
 def driver_state(run: Run, step: int) -> dict:
     """What the driver carries between steps, as a checkpoint records it (``_resume`` reads it)."""
     m = run.moments
-    ahead = sum(len(idx) for _, idx, _ in run.pending)  # drawn for steps after this one (async)
-    return {"prompts_seen": run.drawn - ahead, "version": run.version,
-            "reward_moments": [m.mean, m.var, m.count],
-            **({"stream": run.stream.state()} if run.stream is not None else {})}
+    return {**run.source.state(), "version": run.version, "reward_moments": [m.mean, m.var, m.count]}
 
 
 def save(run: Run, step: int) -> None:

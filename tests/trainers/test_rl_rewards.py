@@ -8,7 +8,7 @@ import torch
 from elasticrl.rewards.sources import Scores
 from elasticrl.rollout.sample import Sample
 from elasticrl.spec import load_spec
-from elasticrl.trainers.rl import Step, _drop
+from elasticrl.trainers.experience import Step, _drop
 
 
 def test_a_dropped_sample_leaves_the_loss_and_takes_its_groups_mean():
@@ -24,7 +24,7 @@ def test_a_dropped_sample_leaves_the_loss_and_takes_its_groups_mean():
 
 
 def test_overlong_responses_are_punished_softly_and_filtered_from_the_loss():
-    from elasticrl.trainers.rl import _overlong
+    from elasticrl.trainers.experience import _overlong
 
     spec = load_spec({"algorithm": "grpo", "rl": {"samples_per_prompt": 2, "max_new_tokens": 8,
                                                   "overlong_buffer": 4, "overlong_filter": True}})
