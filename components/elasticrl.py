@@ -16,7 +16,7 @@ import sys
 
 import torchx.specs as specs
 
-from launch import JOIN_TIMEOUT_S, LOST_S, OUTPUT
+from components import JOIN_TIMEOUT_S, LOST_S, OUTPUT
 
 PYTHON = sys.executable
 ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # every node's

@@ -10,8 +10,8 @@ from typing import List, Optional
 
 import typer
 
-from launch import LOST_S
-from launch import OUTPUT as LAUNCH_OUTPUT
+from components import LOST_S
+from components import OUTPUT as LAUNCH_OUTPUT
 
 # rich_markup_mode=None: click's plain help, which rewraps each paragraph and reads no markup
 # (with rich's, `ROLE[/N]` in a help text ended `elasticrl --help` in a MarkupError)

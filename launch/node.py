@@ -32,9 +32,9 @@ import time
 import zlib
 from pathlib import Path
 
+from components import JOIN_TIMEOUT_S, LOST_S, OUTPUT
 from elasticrl.files import mark_owner, owned_dir, owner_gone, remove_with_processes, sweep_orphans, write_text
 from elasticrl.plan.roles import POOL_PREFIX
-from launch import JOIN_TIMEOUT_S, LOST_S, OUTPUT
 
 DONE_KEY = b"elasticrl:done"
 # What this node undoes on SIGTERM (``_terminated``), in order: a head's published files, its

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import LOST_S
+from components import LOST_S
 
 SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
 REACH = {"slurm": "check that Slurm answers on this machine (sinfo), or launch with --scheduler local_cwd",

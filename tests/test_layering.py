@@ -49,6 +49,18 @@ def test_no_package_imports_one_above_it():
     assert upward == [], upward
 
 
+def test_the_launch_glue_sits_on_the_components_and_the_package_on_neither():
+    """``components`` (TorchX's entry point, holding the launch defaults) import nothing of
+    ``launch``, which builds its apps from them; below the cli, the package imports neither."""
+    def tops(path: Path) -> set[str]:
+        return {m.split(".")[0] for m in _imports(path)}
+
+    assert [p.name for p in (ROOT / "components").rglob("*.py") if "launch" in tops(p)] == []
+    assert [p.name for p in (ROOT / "launch").rglob("*.py") if "elasticrl.cli" in _imports(p)] == []
+    below_cli = [p for p in PKG.rglob("*.py") if p.name != "cli.py"]
+    assert [str(p.relative_to(ROOT)) for p in below_cli if tops(p) & {"launch", "components"}] == []
+
+
 def test_only_the_backend_touches_the_device_api():
     offenders = [str(p.relative_to(ROOT)) for p in TREE if p != DEVICE_MODULE and "torch.cuda" in p.read_text()]
     assert offenders == [], f"ask elasticrl.backend instead: {offenders}"
