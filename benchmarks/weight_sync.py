@@ -23,9 +23,10 @@ alternate, --repeats rounds.
 ``--suite delta``: a bf16 trainer (SFT, --steps real optimizer steps at each --lrs learning rate)
 into a bf16 vLLM engine over each of --transports (default shm, ipc, broadcast, files; a sender
 each, kept across the steps), each step synced twice per transport: a delta sync
-(``rollout.delta_sync``: only the elements that changed since what that sender sent, or over shm
-since what the engine holds), then a full one of the same weights. Per learning rate and
-transport: the changed fraction, bytes and seconds of each (medians over the steps).
+(``rollout.delta_sync``: only the elements that changed since what that sender sent; shm and a
+CPU's ipc sync whole all the same) and a full one of the same weights, in turn first (the first
+sync after a step is the slower). Per learning rate and transport: the changed fraction, bytes
+and seconds of each (medians over the steps).
 
   .venv/bin/python benchmarks/weight_sync.py [--suite transports|senders|lora|delta] [--size 50m] [--repeats 3]
 """
@@ -246,10 +247,12 @@ def _sync(w, transport: str, version: int, delta: bool) -> dict:
 
 
 def _delta_row(rows: list[tuple[dict, dict]]) -> dict:
-    """Medians over (delta sync, full sync) stats."""
+    """Medians over (delta sync, full sync) stats; changed_fraction None where the transport
+    syncs whole (shm, a CPU's ipc: rollout.delta_sync)."""
     def median(k: int, key: str) -> float:
         return statistics.median(pair[k][key] for pair in rows)
-    return {"changed_fraction": round(median(0, "sync/delta_fraction"), 5),
+    whole = any("sync/delta_fraction" not in d for d, _ in rows)
+    return {"changed_fraction": None if whole else round(median(0, "sync/delta_fraction"), 5),
             "full_bytes": round(median(1, "sync/gbytes") * 1e9), "delta_bytes": round(median(0, "sync/gbytes") * 1e9),
             "full_s": round(median(1, "sync/seconds"), 4), "delta_s": round(median(0, "sync/seconds"), 4)}
 
@@ -283,8 +286,10 @@ def delta(args) -> None:
             for step in range(args.steps):
                 trainer.call("train_step", step)
                 for t in transports:  # each delta against what that sender sent the step before
-                    d = trainer.call("__ray_call__", _sync, t, version := version + 1, True)[0]
-                    f = trainer.call("__ray_call__", _sync, t, version := version + 1, False)[0]
+                    pair = {}
+                    for kind in (True, False) if step % 2 == 0 else (False, True):  # first after a step in turn
+                        pair[kind] = trainer.call("__ray_call__", _sync, t, version := version + 1, kind)[0]
+                    d, f = pair[True], pair[False]
                     rows[t].append((d, f))
                     print(json.dumps({"lr": lr, "step": step + 1, "transport": t, **_delta_row([(d, f)])}), flush=True)
             trainer.shutdown()

@@ -154,7 +154,7 @@ def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
             for w in range(args.receivers):
                 for piece in pieces[w][rank]:
                     if piece.name == name:
-                        sent += slices.write_piece(arenas[w], piece, t, delta) if args.transport == "arena" else \
+                        sent += slices.write_piece(arenas[w], piece, t) if args.transport == "arena" else \
                             boxes[w].put(piece, t, delta)
         if args.transport == "ipc":
             for box in boxes:
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--delta", action="store_true", help="sync twice, the second as a delta (rollout.delta_sync) "
-                    "of an update that moved every 97th element; figures are the second's")
+                    "of an update that moved every 97th element, over p2p and ipc; figures are the second's")
     ap.add_argument("--deepspeed-step", action="store_true", help="instead: time DeepSpeed training steps of a "
                     "plain torch model on this device (bare GPU machines that carry its wheel)")
     args = ap.parse_args(argv)
@@ -381,7 +381,8 @@ def main(argv=None) -> int:
     print(json.dumps({"measure": "copy", "device": args.device, "gbytes": round(nbytes / 1e9, 4),
                       "gbps": round(copy, 3)}), flush=True)
     ok = True
-    for transport in (args.transports or ("p2p,ipc,arena" if args.device == "cpu" else "p2p,ipc")).split(","):
+    arena = "" if args.delta else ",arena"  # a delta is a payload sent (the arenas are written whole)
+    for transport in (args.transports or ("p2p,ipc" + arena if args.device == "cpu" else "p2p,ipc")).split(","):
         for receivers in (int(r) for r in args.receivers.split(",")):
             if transport == "p2p" and args.device != "cpu" and len(backend.gpus()) < args.senders + receivers:
                 print(json.dumps({"transport": transport, "receivers": receivers, "skipped": "NCCL wants a GPU "

@@ -241,7 +241,7 @@ def sync(run: Run, s: Step) -> None:
 
 def report(run: Run, s: Step) -> dict:
     """The step's metrics row (logged every log.every_steps), evaluation, checkpoint, progress."""
-    spec, done = run.spec, s.step + 1
+    done = s.step + 1
     for phase, seconds in s.seconds.items():
         run.totals[phase] += seconds
     row = {"step": done, **s.info, **s.stats, **s.sync, **run.roles.pool.stats(),

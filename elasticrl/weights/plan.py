@@ -99,9 +99,8 @@ def record_copy_plans(model, model_path: str) -> tuple[dict[str, list[Copy]], li
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def replay(plans: list[Copy], src: torch.Tensor, arena: "Arena", delta=None) -> int:
-    """Write ``src`` into a worker's parameters per its plan (with a ``slices.Delta``: only the
-    elements that changed); the bytes written."""
+def replay(plans: list[Copy], src: torch.Tensor, arena: "Arena") -> int:
+    """Write ``src`` into a worker's parameters per its plan; the bytes written."""
     written = 0
     for kind, param, dst_off, dst_shape, dst_stride, dtype, src_off, src_shape, src_stride in plans:
         dst = arena.view(param, dst_off, dst_shape, dst_stride, dtype)
@@ -110,11 +109,7 @@ def replay(plans: list[Copy], src: torch.Tensor, arena: "Arena", delta=None) -> 
         else:
             # as_strided offsets are absolute in the storage, and trainer tensors are often
             # views into a flat buffer (DeepSpeed's ZeRO partitions).
-            piece = src.as_strided(src_shape, src_stride, src.storage_offset() + int(src_off))
-            if delta is not None:
-                written += delta.write(dst, piece)
-                continue
-            dst.copy_(piece)
+            dst.copy_(src.as_strided(src_shape, src_stride, src.storage_offset() + int(src_off)))
         written += dst.numel() * dst.element_size()
     return written
 

@@ -16,8 +16,12 @@ here needs Ray, DeepSpeed or vLLM (``scripts/sync_check.py`` runs it between pla
 """
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from elasticrl.weights.plan import Copy
@@ -214,52 +218,34 @@ def source_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.as_strided(piece.shape, piece.src_strides, t.storage_offset() + piece.src_off)
 
 
-def write_piece(arena, piece: Piece, t: torch.Tensor, delta: "Delta | None" = None) -> int:
-    """Copy a piece straight into a worker's parameters mapped here (``plan.Arena``); with a
-    ``delta``, only its elements that changed."""
+def write_piece(arena, piece: Piece, t: torch.Tensor) -> int:
+    """Copy a piece straight into a worker's parameters mapped here (``plan.Arena``)."""
     dst = arena.view(piece.param, piece.dst_off, piece.shape, piece.dst_strides, piece.dtype)
     if piece.fill is not None:
         dst.fill_(piece.fill)
         return 0
-    if delta is not None:
-        return delta.write(dst, source_view(t, piece))
     dst.copy_(source_view(t, piece))
     return piece.nbytes
 
 
 class Delta:
-    """Delta weight sync: send or write only the elements of a tensor whose value, cast to the
-    engine's dtype, differs bit for bit from the one the engine holds; a tensor whose changed
-    elements, as (int32 index, value) pairs, would take as many bytes as the whole tensor goes
-    whole. Where the sender reaches the engine's parameters (``shm``), ``write`` compares with
-    them: exact after a restart or a recovery as after any other sync. Elsewhere ``pack``
-    compares with what this sender last sent that target (``held``: one copy of what it sends,
-    in the engine's dtype, where the sender's tensor lives), and the target ``unpack``s.
-    Counts the elements seen and changed over one sync."""
-
-    BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    """Delta weight sync: send only the elements of a tensor whose value, cast to the engine's
+    dtype, differs bit for bit from what this sender last sent that target (``held``: one copy
+    of what it sends, in the engine's dtype, where the sender's tensor lives; the comparison is
+    ``changed_elements``'), which the target ``unpack``s; a tensor whose changed elements, as
+    (int32 index, value) pairs, would take as many bytes as the whole tensor goes whole. Counts
+    the elements seen and changed over one sync."""
 
     def __init__(self):
         self.changed = self.total = 0
 
-    def _changed(self, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-        """The mask of elements that differ, their count, and whether to send the tensor whole."""
-        bits = self.BITS[new.element_size()]
-        changed = new.view(bits) != old.view(bits)
-        n = int(changed.sum())
-        self.changed, self.total = self.changed + n, self.total + new.numel()
-        return changed, n, n * (new.element_size() + 4) >= new.numel() * new.element_size()
-
-    def write(self, dst: torch.Tensor, src: torch.Tensor) -> int:
-        """``src`` into ``dst`` where they differ; the bytes a message of the change would hold."""
-        new = src.to(dst.dtype)
-        changed, n, whole = self._changed(new, dst)
-        if whole:
-            dst.copy_(new)
-            return dst.numel() * dst.element_size()
-        if n:
-            dst[changed] = new[changed]
-        return n * (dst.element_size() + 4)
+    def _diff(self, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``changed_elements`` of ``new`` against ``old`` (which takes them), counted."""
+        size = new.element_size()  # whole once the pairs take as many bytes as the tensor
+        found = changed_elements(new, old, -(-new.numel() * size // (size + 4)) - 1)
+        self.total += new.numel()
+        self.changed += new.numel() if found is None else found[0].numel()
+        return found
 
     def pack(self, held: dict, key, src: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> tuple[int, int]:
         """``src`` cast to ``dtype`` against ``held[key]`` (then updated), into the bytes ``out``:
@@ -272,17 +258,84 @@ class Delta:
             self.changed += new.numel()
             held[key], count = new.clone() if new.data_ptr() == src.data_ptr() else new, -1
         else:
-            changed, count, whole = self._changed(new, old)
-            old.copy_(new)
-            if whole:
-                count = -1
-            elif count:
-                index = changed.view(-1).nonzero().view(-1).to(torch.int32)
-                out[:4 * count].view(torch.int32).copy_(index)
-                out[4 * count: packed_nbytes(new, count)].view(dtype).copy_(new.view(-1)[index.long()])
+            found = self._diff(new, old)
+            count = -1 if found is None else found[0].numel()
+            if count > 0:
+                out[:4 * count].view(torch.int32).copy_(found[0])
+                out[4 * count: packed_nbytes(new, count)].view(dtype).copy_(found[1])
         if count < 0:
             out[:packed_nbytes(new, -1)].view(dtype).view(new.shape).copy_(new)
         return count, packed_nbytes(new, count)
+
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+HEAD = 1 << 14  # elements sampled first
+CHUNK_BYTES = 1 << 20  # compared at a time on a CPU: both sides' bytes stay in its caches (measured best)
+
+
+def changed_elements(new: torch.Tensor, old: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The flat int32 indices and the values of the elements of ``new`` whose bits differ from
+    ``old``'s (both contiguous, one dtype), each written into ``old``; None when more than
+    ``limit`` differ, or the first ``HEAD`` elements' share says they will (``old`` then takes
+    ``new`` whole: a dense change costs its comparison more than a copy). A GPU compares the
+    whole tensor at once; a CPU in numpy (whose nonzero is 2x torch's), as 8-byte words a
+    cache-sized chunk at a time, the changed words alone then element by element, the chunks
+    shared out among the rank's threads (numpy lets go of the GIL)."""
+    size = new.element_size()
+    if new.device.type != "cpu":
+        x, y = new.view(-1).view(BITS[size]), old.view(-1).view(BITS[size])
+        index = (x != y).nonzero().view(-1)
+        if index.numel() > limit:
+            old.copy_(new)
+            return None
+        y[index] = x[index]
+        return index.int(), new.view(-1)[index]
+    k = 8 // size  # elements per word
+    if new.numel() % k or new.storage_offset() % k or old.storage_offset() % k:
+        k = 1
+    x, y = (t.view(-1).view(BITS[size * k]).numpy() for t in (new, old))
+    head = min(new.numel(), HEAD)  # a dense change (as after a large step) is seen in its first elements
+    xe, ye = (t.view(-1)[:head].view(BITS[size]).numpy() for t in (new, old))
+    if np.count_nonzero(xe != ye) * new.numel() > limit * head:
+        y[:] = x
+        return None
+    chunk = max(1, CHUNK_BYTES // (size * k))
+    starts = list(range(0, x.size, chunk))
+    threads = min(torch.get_num_threads(), len(starts))
+    compare = partial(_changed_words, x, y, chunk, k, NP_BITS[size])
+    parts = list(_pool().map(compare, [starts[i::threads] for i in range(threads)])) if threads > 1 \
+        else [compare(starts)]
+    index = sorted((part for p in parts for part in p), key=lambda part: part[0])
+    if sum(len(i) for _, i, _ in index) > limit:
+        y[:] = x
+        return None
+    if not index:
+        return torch.zeros(0, dtype=torch.int32), new.new_empty(0)
+    return (torch.from_numpy(np.concatenate([i for _, i, _ in index])),
+            torch.from_numpy(np.concatenate([v for _, _, v in index])).view(new.dtype))
+
+
+def _changed_words(x: np.ndarray, y: np.ndarray, chunk: int, k: int, bits, starts: list[int]) -> list:
+    """``changed_elements``' work on the chunks at ``starts``: (start, indices, values) of each."""
+    out = []
+    for start in starts:
+        xs, ys = x[start:start + chunk], y[start:start + chunk]
+        words = np.flatnonzero(xs != ys)
+        if not words.size:
+            continue
+        xw = xs[words]
+        elements = xw.view(bits)
+        inner = np.flatnonzero(elements != ys[words].view(bits)) if k > 1 else slice(None)
+        index = (words[inner // k] + start) * k + inner % k if k > 1 else words + start
+        out.append((start, index.astype(np.int32), elements[inner]))
+        ys[words] = xw
+    return out
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(2, torch.get_num_threads()), thread_name_prefix="delta")
 
 
 DELTA_KEYS = (":delta.index", ":delta.values", ":delta.shape")  # a delta's tensors in a file, after its name
@@ -305,14 +358,19 @@ def replay_delta(plans: list[Copy], index: torch.Tensor, values: torch.Tensor, f
     through the tensor's copy plans, each a box of the full tensor (``sliceable``).
     ``view(param, byte offset, shape, strides)``: that part of a parameter."""
     full_shape = tuple(int(n) for n in full_shape)
-    at = torch.stack(torch.unravel_index(index.long(), full_shape), 1)
+    at = None
     for kind, param, dst_off, dst_shape, dst_strides, _, src_off, src_shape, src_strides in plans:
         if kind == "fill":
             continue  # constants (padding) no sync changes
         box = view_box(full_shape, int(src_off), src_shape, src_strides)
+        dst = view(param, dst_off, dst_shape, dst_strides)
+        if all(lo == 0 and hi == n for (lo, hi), n in zip(box, full_shape)) and dst.is_contiguous():
+            dst.view(-1).index_copy_(0, index.long(), values.to(dst.dtype))  # the whole tensor, as it lies
+            continue
+        if at is None:
+            at = torch.stack(torch.unravel_index(index.long(), full_shape), 1)
         lo, hi = (torch.tensor([b[k] for b in box]) for k in (0, 1))
         inside = ((at >= lo) & (at < hi)).all(1)
-        dst = view(param, dst_off, dst_shape, dst_strides)
         dst.index_put_(tuple((at[inside] - lo).T), values[inside].to(dst.dtype))
 
 
@@ -340,8 +398,11 @@ def unpack(dst: torch.Tensor, buf: torch.Tensor, count: int) -> int:
     if count < 0:
         dst.copy_(buf[:nbytes].view(dst.dtype).view(dst.shape))
     elif count:
-        index = buf[:4 * count].view(torch.int32).long()
-        dst.index_put_(torch.unravel_index(index, dst.shape), buf[4 * count: nbytes].view(dst.dtype))
+        index, values = buf[:4 * count].view(torch.int32).long(), buf[4 * count: nbytes].view(dst.dtype)
+        if dst.is_contiguous():
+            dst.view(-1).index_copy_(0, index, values)
+        else:
+            dst.index_put_(torch.unravel_index(index, dst.shape), values)
     return nbytes
 
 

@@ -4,6 +4,7 @@ worked out by hand in the comments; the resharding cases are also checked agains
 the whole tensor through the same plan (the gathered path)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elasticrl.weights.plan import Arena, replay
@@ -114,25 +115,36 @@ def test_engines_go_to_replicas_biggest_first_balancing_bytes():
     assert assign([5, 30, 20, 10], 2) == [0, 0, 1, 1]
 
 
-def test_a_delta_writes_the_changed_elements_bit_for_bit_or_the_whole_tensor_when_cheaper():
-    """bf16 destination seen through a transposed view (as a plan's strided piece is), fp32
-    source: 3 of 24 elements differ after the cast (one only in sign: -0.0 against 0.0), which
-    as (int32 index, bf16 value) pairs is 3 x 6 = 18 bytes against 48; 8 changed would be
-    48 bytes, no smaller than the tensor: it goes whole."""
-    from elasticrl.weights.slices import Delta
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn])
+def test_changed_elements_match_an_element_by_element_comparison_across_chunks_words_and_offsets(monkeypatch, dtype):
+    """Word by word and chunk by chunk (chunks of 64 bytes here, so a tensor spans many), on
+    ragged sizes, views that start off a word's boundary, sign-only changes (-0.0) and NaNs:
+    the indices are exactly those an element-wise bit comparison finds, ``old`` ends equal to
+    ``new`` bit for bit, and past the limit the answer is None with ``old`` whole all the same."""
+    from elasticrl.weights import slices
 
-    held = torch.zeros(6, 4, dtype=torch.bfloat16)
-    dst = held.t()  # 4 x 6, strides (1, 4)
-    src = torch.zeros(4, 6)
-    src[0, 1], src[2, 5], src[3, 0] = 1.5, -2.0, -0.0
-    delta = Delta()
-    assert delta.write(dst, src) == 18 and (delta.changed, delta.total) == (3, 24)
-    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
-    assert held[5, 2].item() == -2.0 and str(held[0, 3].item()) == "-0.0"
-    src[:, :2] = 7.0  # 8 changed now (the 1.5 among them), 8 x 6 = 48 bytes: whole
-    assert delta.write(dst, src) == 48 and (delta.changed, delta.total) == (3 + 8, 48)
-    assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
-    assert delta.write(dst, src) == 0 and delta.changed == 11  # nothing left to change
+    monkeypatch.setattr(slices, "CHUNK_BYTES", 64)
+    bits = slices.BITS[torch.empty(0, dtype=dtype).element_size()]
+    g = torch.Generator().manual_seed(0)
+    for numel, offset in [(1, 0), (7, 0), (64, 0), (1001, 0), (1001, 3), (4096, 1)]:
+        base = torch.randn(numel + offset, generator=g).to(dtype)
+        old = base[offset:]  # a view off the word boundary when offset > 0
+        new = old.clone()
+        flip = torch.randperm(numel, generator=g)[: max(1, numel // 50)]
+        new[flip] = torch.randn(len(flip), generator=g).to(dtype)
+        new[flip[:1]] = -old[flip[:1]] if dtype != torch.float8_e4m3fn else new[flip[:1]]
+        if dtype.is_floating_point and numel > 3 and dtype != torch.float8_e4m3fn:
+            new[2] = float("nan")
+        expected = (new.view(bits) != old.view(bits)).nonzero().view(-1)
+        index, values = slices.changed_elements(new, old, numel)
+        assert index.dtype == torch.int32 and torch.equal(index.long(), expected), (numel, offset)
+        assert torch.equal(values.view(bits), new.view(bits)[expected])
+        assert torch.equal(old.view(bits), new.view(bits))
+        if len(expected) > 1:  # the same change, now past a limit below its size
+            old.copy_(base[offset:].clone().fill_(0))
+            again = (new.view(bits) != old.view(bits)).sum().item()
+            assert slices.changed_elements(new, old, again - 1) is None
+            assert torch.equal(old.view(bits), new.view(bits))
 
 
 def test_a_packed_delta_sends_the_changed_elements_against_what_was_sent_last():

@@ -2,7 +2,8 @@
 AutoTP slices between plain processes into receivers laid out as vLLM's tensor-parallel workers
 (fused q/k/v and gate/up), over gloo point to point, through the senders' shared buffers (the
 ipc protocol, on /dev/shm) and into the receivers' shared-memory arenas, checked bit-exact by
-the receivers against slices cut here from the full tensors; and each as a delta sync."""
+the receivers against slices cut here from the full tensors; and the sent ones (point to point,
+ipc) as a delta sync."""
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ def test_two_senders_into_one_and_two_receivers_and_one_sender_into_two():
     assert one_to_two["bit_exact"] and one_to_two["bytes_by_sender"] == [full + 4 * 5 * 64]
     # rollout.delta_sync: a second sync after every 97th element moved sends its change alone
     # (an index and a value, 8 bytes, for ~1/97 of the elements, and 8 bytes of count a piece)
+    assert [r["transport"] for r in delta_rows[1:]] == ["p2p", "ipc"]
     for r in delta_rows[1:]:
         assert r["bit_exact"] and sum(r["bytes_by_sender"]) < full / 20, r
 
