@@ -187,7 +187,8 @@ def _data(spec) -> str:
 
     family = ALGORITHMS[spec.algorithm].family
     prompts = family in ("rl", "rounds")
-    wants = {"train": sft_fields(spec.data) if spec.algorithm == "sft" else prompt_answer(spec.data) if prompts else (),
+    wants = {"train": {"sft": sft_fields, "prompts": prompt_answer}.get(ALGORITHMS[spec.algorithm].data,
+                                                                        lambda _: ())(spec.data),
              "eval": prompt_answer(spec.data) if prompts or family == "sft" else ()}
     said = []
     for split in ("train", "eval"):
@@ -284,9 +285,11 @@ def _memory_fit(spec) -> str:
         return f"fits {count} x {mem:.0f} GB: " + " ".join(f"--set {o}" for o in plan.overrides())
     from elasticrl.plan.cpu import ENGINE_GB, available_gb
     from elasticrl.plan.roles import is_rl
+    from elasticrl.spec.algorithms import ALGORITHMS
 
     params = _params(spec)
-    need = params * 16 * (2 if spec.algorithm == "ppo" else 1) / GB  # trained: weights, grads, Adam
+    trained = 2 if ALGORITHMS[spec.algorithm].critic else 1  # the policy (and a critic): weights, grads, Adam
+    need = params * 16 * trained / GB
     if is_rl(spec):
         need += spec.rollout.num_engines * (ENGINE_GB + spec.rollout.kv_cache_gib)
     have = available_gb()

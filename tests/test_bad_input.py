@@ -121,8 +121,8 @@ CASES = [
     ("offload-without-zero3", [], ["run", GRPO, "--set", "train.offload_params=true", "--set",
                                    "train.zero_stage=2"], 2, "train.offload_params: needs train.zero_stage: 3"),
     ("lora-with-iterative-dpo", [], ["run", DPO, "--set", "algorithm=iterative_dpo", "--set", "model.lora.rank=8"], 2,
-     "model.lora.rank: adapters do not train with iterative_dpo yet (sft, rm, prm, dpo, kto and the RL algorithms "
-     "take them); set model.lora.rank: 0 to train every weight"),
+     "model.lora.rank: adapters do not train with iterative_dpo yet (sft, rm, prm, dpo, kto, grpo, ppo, reinforce++, "
+     "rloo take them); set model.lora.rank: 0 to train every weight"),
     ("lora-under-autotp", [], ["run", SFT, "--set", "model.lora.rank=8", "--set", "train.tp_size=2"], 2,
      "model.lora.rank: adapters do not train under AutoTP; set train.tp_size: 1"),
     ("lora-rank-negative", [], ["run", SFT, "--set", "model.lora.rank=-1"], 2, "model.lora.rank: expected"),

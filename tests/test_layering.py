@@ -123,6 +123,17 @@ def test_what_a_layer_loads(what, code, allowed):
     assert _loaded_after(code) == allowed, what
 
 
+def test_no_code_branches_on_an_algorithm_name_outside_the_algorithm_table():
+    """What sets an algorithm apart is a field of its row (``spec.algorithms``), which the code asks."""
+    import re
+
+    branch = re.compile(r"algorithm\s*(==|!=|in\s*[(\[{]|not\s+in\b)")
+    table = PKG / "spec" / "algorithms.py"
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in TREE if p != table
+             for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
+    assert found == [], found
+
+
 def test_the_algorithm_table_is_what_the_code_registers():
     from elasticrl.algorithms.advantages import ADVANTAGES
     from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from elasticrl.spec.algorithms import ALGORITHMS
+from elasticrl.spec.algorithms import ALGORITHMS, reward_model_first
 from elasticrl.spec.schema import JobSpec
 
 POOL_PREFIX = "elasticrl_pool_"  # the custom resource a pool's Ray nodes carry (launch/node.py)
@@ -45,7 +45,7 @@ def reward_models(spec: JobSpec) -> int:
     """Reward-model roles of the job (one trained first when ppo has none and init.rm_steps)."""
     if not is_rl(spec):
         return 0
-    return len(spec.rewards.models) or int(spec.algorithm == "ppo" and spec.init.rm_steps > 0)
+    return len(spec.rewards.models) or int(reward_model_first(spec))
 
 
 ORDER = ("actor", "critic", "reference", "reward", "rollout")

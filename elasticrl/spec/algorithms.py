@@ -1,6 +1,8 @@
 """What each algorithm is, in one table: its family, the models it runs, the function that
-trains it and the advantage estimator its 'auto' means. The spec validates against it, the
-planner and the launcher size roles from it, ``trainers.run_job`` dispatches on it.
+trains it, the advantage estimator its 'auto' means and what sets it apart from its family.
+The spec validates against it, the planner and the launcher size roles from it, the trainers
+ask it, ``trainers.run_job`` dispatches on it: no code outside this table branches on an
+algorithm's name.
 """
 from __future__ import annotations
 
@@ -18,6 +20,13 @@ class Algorithm:
     critic: bool = False             # a trained value model (PPO)
     advantage: Optional[str] = None  # rl: the estimator rl.advantage 'auto' means
     sequences: int = 1               # sequences a training example puts through the model (a pair: 2)
+    data: str = ""                   # what its training rows hold: 'sft' (a conversation or prompt and
+    #                                  response), 'prompts' (with reference answers); '' checked by its trainer
+    pairs: bool = False              # learns from a chosen and a rejected answer (a round's best and worst)
+    unpaired: bool = False           # learns from single answers labelled desirable or not (KTO; pairs split)
+    min_samples: int = 1             # rl.samples_per_prompt it needs (a round's pairs: 2)
+    lora: bool = True                # trains LoRA adapters (model.lora)
+    precomputed_reference: bool = False  # preference.reference 'precomputed' (the reference's log-probs once)
 
 
 _RL = "elasticrl.trainers.rl:run_rl"
@@ -25,20 +34,27 @@ _PREFERENCE = "elasticrl.trainers.preference:run_preference"
 _ROUNDS = "elasticrl.trainers.rounds:run_rounds"
 
 ALGORITHMS = {
-    "sft": Algorithm("sft", "elasticrl.trainers.sft:run_sft"),
-    "conditional_sft": Algorithm("sft", "elasticrl.trainers.conditional:run_conditional"),
+    "sft": Algorithm("sft", "elasticrl.trainers.sft:run_sft", data="sft"),
+    "conditional_sft": Algorithm("sft", "elasticrl.trainers.conditional:run_conditional", lora=False),
     "rm": Algorithm("reward", "elasticrl.trainers.rm:run_rm", head="value"),
     "prm": Algorithm("reward", "elasticrl.trainers.prm:run_prm", head="value"),
-    "dpo": Algorithm("preference", _PREFERENCE, reference=True, sequences=2),
+    "dpo": Algorithm("preference", _PREFERENCE, reference=True, sequences=2, pairs=True, precomputed_reference=True),
     # KTO scores each example and a mismatched one (its reference point)
-    "kto": Algorithm("preference", _PREFERENCE, reference=True, sequences=2),
-    "rejection_sampling": Algorithm("rounds", _ROUNDS, rollout=True),
-    "iterative_dpo": Algorithm("rounds", _ROUNDS, reference=True, rollout=True, sequences=2),
-    "grpo": Algorithm("rl", _RL, rollout=True, advantage="grpo"),
-    "ppo": Algorithm("rl", _RL, rollout=True, critic=True, advantage="gae"),
-    "reinforce++": Algorithm("rl", _RL, rollout=True, advantage="reinforce++_baseline"),
-    "rloo": Algorithm("rl", _RL, rollout=True, advantage="rloo"),
+    "kto": Algorithm("preference", _PREFERENCE, reference=True, sequences=2, unpaired=True),
+    "rejection_sampling": Algorithm("rounds", _ROUNDS, rollout=True, data="prompts", lora=False),
+    "iterative_dpo": Algorithm("rounds", _ROUNDS, reference=True, rollout=True, sequences=2, data="prompts",
+                               pairs=True, min_samples=2, lora=False),
+    "grpo": Algorithm("rl", _RL, rollout=True, advantage="grpo", data="prompts"),
+    "ppo": Algorithm("rl", _RL, rollout=True, critic=True, advantage="gae", data="prompts"),
+    "reinforce++": Algorithm("rl", _RL, rollout=True, advantage="reinforce++_baseline", data="prompts"),
+    "rloo": Algorithm("rl", _RL, rollout=True, advantage="rloo", data="prompts"),
 }
+
+
+def reward_model_first(spec) -> bool:
+    """Whether ``init.rm_steps`` trains a reward model before the job: an algorithm with a critic
+    (which starts from that model) and no reward models given."""
+    return ALGORITHMS[spec.algorithm].critic and spec.init.rm_steps > 0 and not spec.rewards.models
 
 
 @dataclass(frozen=True)

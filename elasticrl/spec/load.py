@@ -20,7 +20,7 @@ import yaml
 
 from elasticrl.files import write_text
 from elasticrl.spec import hub
-from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, advantage_of
+from elasticrl.spec.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, advantage_of, reward_model_first
 from elasticrl.spec.schema import VERIFIERS, JobSpec
 
 
@@ -234,9 +234,10 @@ def _convert_section(cls, value: Any, path: str):
 
 def lora_refusal(spec: JobSpec) -> str | None:
     """Why this job cannot train LoRA adapters (with the fix), or None when it can."""
-    if spec.algorithm in ("conditional_sft", "rejection_sampling", "iterative_dpo"):
-        return (f"adapters do not train with {spec.algorithm} yet (sft, rm, prm, dpo, kto and the RL algorithms "
-                "take them); set model.lora.rank: 0 to train every weight")
+    if not ALGORITHMS[spec.algorithm].lora:
+        takes = ", ".join(name for name, alg in ALGORITHMS.items() if alg.lora)
+        return (f"adapters do not train with {spec.algorithm} yet ({takes} take them); set model.lora.rank: 0 to "
+                "train every weight")
     if spec.train.tp_size > 1:
         return "adapters do not train under AutoTP; set train.tp_size: 1 (ZeRO-3 shards the frozen base instead)"
     return None
@@ -301,16 +302,15 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
     for i, r in enumerate(spec.rewards.remote):
         if not r.url.startswith(("http://", "https://")):
             raise SpecError(f"rewards.remote[{i}].url", f"expected an http(s) URL, got {r.url!r}")
-    if spec.algorithm == "conditional_sft":
-        for name in ("eval_attributes", "compare_attributes"):
-            try:
-                parse_attributes(getattr(spec.conditional, name), f"conditional.{name}")
-            except ValueError as exc:
-                raise SpecError(f"conditional.{name}", str(exc).split(": ", 1)[1]) from None
+    for name in ("eval_attributes", "compare_attributes"):
+        try:
+            parse_attributes(getattr(spec.conditional, name), f"conditional.{name}")
+        except ValueError as exc:
+            raise SpecError(f"conditional.{name}", str(exc).split(": ", 1)[1]) from None
+    if rl.samples_per_prompt < alg.min_samples:
+        raise SpecError("rl.samples_per_prompt", f"{spec.algorithm} pairs a prompt's best and worst samples: needs "
+                                                 f">= {alg.min_samples}, got {rl.samples_per_prompt}")
     if alg.family == "rounds":
-        if spec.algorithm == "iterative_dpo" and rl.samples_per_prompt < 2:
-            raise SpecError("rl.samples_per_prompt", "iterative_dpo pairs a prompt's best and worst samples: needs "
-                                                     f">= 2, got {rl.samples_per_prompt}")
         if spec.rewards.models:
             raise SpecError("rewards.models", f"{spec.algorithm} scores with reward functions or remote endpoints; "
                                               "scoring its rounds with a reward model is not built yet")
@@ -320,9 +320,11 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
             raise SpecError("train.global_batch_size", f"{spec.train.global_batch_size} is more than "
                                                        f"rounds.prompts_per_round ({spec.rounds.prompts_per_round}), "
                                                        "the most records a round can yield")
-    if alg.reference and spec.algorithm != "dpo" and spec.preference.reference == "precomputed":
-        raise SpecError("preference.reference", "'precomputed' works for dpo only (kto's reference point and iterative "
-                                                "dpo's new pairs need the reference during training); use colocated")
+    if alg.reference and not alg.precomputed_reference and spec.preference.reference == "precomputed":
+        takes = ", ".join(name for name, a in ALGORITHMS.items() if a.precomputed_reference)
+        raise SpecError("preference.reference", f"'precomputed' works for {takes} only (kto's reference point and "
+                                                "iterative dpo's new pairs need the reference during training); use "
+                                                "colocated")
     if spec.critic.path is not None and check_paths and not Path(spec.critic.path).is_dir():
         raise SpecError("critic.path", f"{spec.critic.path} is not a folder")
     if check_paths:
@@ -350,8 +352,7 @@ def _check_cross_fields(spec: JobSpec, check_paths: bool = True) -> None:
 def _check_rl(spec: JobSpec) -> None:
     """The RL trainers' rules: reward sources, the estimator's needs, whole mini-batches."""
     rl, t = spec.rl, spec.train
-    if not (spec.rewards.functions or spec.rewards.models or spec.rewards.remote or
-            (spec.algorithm == "ppo" and spec.init.rm_steps)):
+    if not (spec.rewards.functions or spec.rewards.models or spec.rewards.remote or reward_model_first(spec)):
         raise SpecError("rewards", "an RL job needs at least one reward function, model or remote endpoint "
                                    "(or, for ppo, init.rm_steps to train a reward model first)")
     if rl.async_rollout and spec.placement.colocate == "all":

@@ -29,6 +29,7 @@ from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.models.scoring import response_logps
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.spec.algorithms import ALGORITHMS
 from elasticrl.trainers.loop import check_user_files, data_paths, find_resume, num_steps, offline_loop, prepare_output
 from elasticrl.trainers.warm_start import initial_model
 from elasticrl.trainers.worker import RankWorker
@@ -46,6 +47,7 @@ class PreferenceWorker(RankWorker):
     def __init__(self, spec: dict, paths: dict[str, str]):
         super().__init__(spec, paths["model"])
         self.paths = paths
+        self.unpaired = ALGORITHMS[self.spec.algorithm].unpaired  # KTO: single answers labelled good or bad
 
     def setup(self, rank, world_size, addr, port, total_steps, resume: str | None = None) -> dict:
         """``resume``: the trained copy continues from a checkpoint; the reference stays the start."""
@@ -53,11 +55,11 @@ class PreferenceWorker(RankWorker):
         s, d = self.spec, self.spec.data
         self.tok = self.core.tokenizer
         pair_keys = (d.prompt_key, d.chosen_key, d.rejected_key)
-        if s.algorithm == "kto" and self.paths["train_kind"] == "unpaired":
+        if self.unpaired and self.paths["train_kind"] == "unpaired":
             self.records = read_records(self.paths["train"], (d.prompt_key, d.response_key, d.label_key))
         else:
             self.records = read_records(self.paths["train"], pair_keys)
-            if s.algorithm == "kto":
+            if self.unpaired:
                 self.records = unpaired(self.records, s)
         self.eval_pairs = read_records(self.paths["eval"], pair_keys)
         self.eval_prompts = read_records(self.paths["eval_prompts"], prompt_answer(d)) \
@@ -136,7 +138,7 @@ class PreferenceWorker(RankWorker):
                  "leader": core.is_dp_leader}
         for keys in parts:
             rows = [self.records[i] for i in keys]
-            loss = self._kto(rows, stats) if s.algorithm == "kto" else self._dpo(rows, keys, stats)
+            loss = self._kto(rows, stats) if self.unpaired else self._dpo(rows, keys, stats)
             stats["loss_sum"] += core.backward(loss / B)
         return stats
 
@@ -248,7 +250,7 @@ def run_preference(spec: JobSpec, output: Path) -> dict:
 
 def _count_records(spec: JobSpec, paths: dict) -> int:
     records = len(read_records(paths["train"], _train_fields(spec, paths["train_kind"])))
-    return 2 * records if spec.algorithm == "kto" and paths["train_kind"] == "pairs" else records
+    return 2 * records if ALGORITHMS[spec.algorithm].unpaired and paths["train_kind"] == "pairs" else records
 
 
 def _evaluate(group, spec) -> dict:
@@ -266,7 +268,7 @@ def _train(spec: JobSpec, group: RoleGroup, output: Path, total: int, start: int
     def step_row(res, *_):
         rows = sum(r["rows"] for r in res)
         row = {"loss": sum(r["loss_sum"] for r in res), "lr": res[0]["lr"]}
-        if spec.algorithm == "kto":  # "correct" counts the desirable rows
+        if ALGORITHMS[spec.algorithm].unpaired:  # "correct" counts the desirable rows
             good = sum(r["correct"] for r in res)
             return {**row, "reward/desirable": sum(r["chosen_sum"] for r in res) / max(1, good),
                     "reward/undesirable": sum(r["rejected_sum"] for r in res) / max(1, rows - good),

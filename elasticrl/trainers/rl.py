@@ -34,7 +34,7 @@ from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.sources import in_background, rollout_source
 from elasticrl.spec import JobSpec
-from elasticrl.spec.algorithms import advantage_of
+from elasticrl.spec.algorithms import advantage_of, reward_model_first
 from elasticrl.spec.schema import RewardModelSpec
 from elasticrl.trainers.evaluate import evaluate_answers
 from elasticrl.trainers.experience import scored
@@ -83,7 +83,7 @@ def run_rl(spec: JobSpec, output: Path) -> dict:
     # the reward functions' process starts first: one that does not import fails before Ray
     with RewardSources(spec) as rewards, environments(spec) as envs, ray_session(spec.ray, cpus_needed(spec)):
         ray_up = backend.process_age_s()
-        if spec.algorithm == "ppo" and spec.init.rm_steps and not spec.rewards.models:
+        if reward_model_first(spec):
             path = trained_reward_model(spec)
             spec = dataclasses.replace(spec, rewards=dataclasses.replace(
                 spec.rewards, models=[RewardModelSpec(path=path, weight=1.0)]))

@@ -31,6 +31,7 @@ from elasticrl.plan.roles import cpus_needed
 from elasticrl.rewards.sources import RewardSources
 from elasticrl.rollout.pool import RolloutPool, sampling_params
 from elasticrl.spec import JobSpec, spec_to_dict
+from elasticrl.spec.algorithms import ALGORITHMS
 from elasticrl.trainers.evaluate import evaluate_answers
 from elasticrl.trainers.loop import (
     Cadence,
@@ -58,7 +59,7 @@ def select(spec: JobSpec, prompts: list[dict], completions: list[list[str]],
         if not scored:
             continue
         best = max(scored, key=lambda i: scores[i])
-        if spec.algorithm == "rejection_sampling":
+        if not ALGORITHMS[spec.algorithm].pairs:  # the best sample, as an SFT row
             if scores[best] >= spec.rounds.min_reward:
                 out.append({d.prompt_key: prompt[d.prompt_key], d.response_key: texts[best]})
         else:
@@ -81,12 +82,12 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
         world = world_paths(spec.world)
         model = initial_model(spec)
         # the workers' own data is replaced each round (set_records); evaluation runs on vLLM here
-        rs = spec.algorithm == "rejection_sampling"
-        paths = {"model": model, "train": str(world["sft" if rs else "preference"]),
-                 "eval": str(world["eval" if rs else "preference_eval"]), "eval_prompts": "", "train_kind": "pairs"}
+        pairs = ALGORITHMS[spec.algorithm].pairs
+        paths = {"model": model, "train": str(world["preference" if pairs else "sft"]),
+                 "eval": str(world["preference_eval" if pairs else "eval"]), "eval_prompts": "", "train_kind": "pairs"}
         data = data_paths(spec, "rl_prompts", "eval")
         prompts, evals = (read_records(data[split], keys) for split in ("train", "eval"))
-        worker = SFTWorker if spec.algorithm == "rejection_sampling" else PreferenceWorker
+        worker = PreferenceWorker if pairs else SFTWorker
         placement = Placement(spec)
         group = placement.group("actor", worker, spec_to_dict(spec), paths, name="trainer")
         pool = None
