@@ -270,13 +270,15 @@ class Cadence:
         return self.spec.eval.enabled
 
     def evaluate(self, done: int, since: int | None = None) -> bool:
-        """Every ``eval.every_steps`` and at the end, unless ``eval.enabled`` is false."""
-        return self.spec.eval.enabled and (self._crosses(self.spec.eval.every_steps, done, since)
+        """Every ``eval.every_steps`` and at the end, unless ``eval.enabled`` is false; a round
+        (``since`` given: ``trainers.rounds``) at its end, its samples being the round's point."""
+        return self.spec.eval.enabled and (since is not None or self._crosses(self.spec.eval.every_steps, done, since)
                                            or done == self.total)
 
-    def log(self, done: int, evaluated: bool) -> bool:
-        """A metrics row every ``log.every_steps``, at the first and the last step and with an evaluation."""
-        return done % self.spec.log.every_steps == 0 or evaluated or done in (1, self.total)
+    def log(self, done: int, evaluated: bool, since: int | None = None) -> bool:
+        """A metrics row every ``log.every_steps``, at the first and the last step, with an
+        evaluation, and at a round's end (``since`` given)."""
+        return since is not None or done % self.spec.log.every_steps == 0 or evaluated or done in (1, self.total)
 
     def checkpoint(self, done: int, since: int | None = None) -> bool:
         """Every ``checkpoint.every_steps`` and at the end; never when it is 0."""

@@ -118,8 +118,10 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
     start, version = state["round"], state["version"]
     metrics = MetricsLog(output, spec, resume_step=start * r.steps_per_round if start else None)
     checkpoints = Checkpoints(spec, output)
+    steps = r.steps_per_round
+    cadence = Cadence(spec, r.num_rounds * steps)
     summary: dict = {}
-    if not start and spec.eval.enabled:
+    if not start and cadence.evaluate_start():
         summary["initial"] = {"step": 0, "round": 0, **evaluate_answers(spec, pool, eval_ids, evals, rewards.verify)}
         metrics.write(summary["initial"])
     progress = Progress(r.num_rounds, start, spec.log.progress_bar, desc=spec.algorithm)
@@ -156,13 +158,15 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
             row.update({"loss": sum(losses) / len(losses), "time/train": time.time() - t1})
             version = rnd + 1
             row.update(pool.sync(version))
-        if spec.eval.enabled:
+        done, since = (rnd + 1) * steps, rnd * steps
+        evaluated = cadence.evaluate(done, since)
+        if evaluated:
             row.update(evaluate_answers(spec, pool, eval_ids, evals, rewards.verify))
         checkpoints.poll()
-        metrics.write({**row, **checkpoints.figures()})
-        steps = r.steps_per_round
-        if Cadence(spec, r.num_rounds * steps).checkpoint((rnd + 1) * steps, since=rnd * steps):
-            checkpoints.save({"actor": group}, (rnd + 1) * steps, {
+        if cadence.log(done, evaluated, since):
+            metrics.write({**row, **checkpoints.figures()})
+        if cadence.checkpoint(done, since):
+            checkpoints.save({"actor": group}, done, {
                 "prompts_seen": (rnd + 1) * r.prompts_per_round, "round": rnd + 1, "version": version})
         progress.update(records=len(records), **({"acc": row["eval/accuracy"]} if "eval/accuracy" in row else {}))
     return finish_run(group, spec, output, summary, row, progress, metrics, checkpoints)

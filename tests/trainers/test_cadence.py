@@ -35,3 +35,17 @@ def test_checkpoints_every_n_steps_and_at_the_end_also_for_rounds_of_several_ste
     # and after the last
     when = Cadence(load_spec({}, ["checkpoint.every_steps=4"]), 15)
     assert [r for r in range(1, 6) if when.checkpoint(3 * r, since=3 * (r - 1))] == [2, 3, 4, 5]
+
+
+def test_rounds_evaluate_and_log_at_each_round_end_and_memory_copies_skip_checkpoint_steps():
+    # a round (since given) evaluates whenever evaluation is on, and writes its row, whatever
+    # every_steps says; off, it writes the row alone
+    when = Cadence(load_spec({}, ["eval.every_steps=100", "log.every_steps=50"]), 40)
+    assert [r for r in range(1, 5) if when.evaluate(10 * r, since=10 * (r - 1))] == [1, 2, 3, 4]
+    assert all(when.log(10 * r, evaluated=False, since=10 * (r - 1)) for r in range(1, 5))
+    off = Cadence(load_spec({}, ["eval.enabled=false"]), 40)
+    assert not any(off.evaluate(10 * r, since=10 * (r - 1)) for r in range(1, 5))
+    # fault.memory_copy_steps 2, a checkpoint every 4 steps: the copy where no checkpoint is written
+    copies = ["fault.memory_copy_steps=2", "checkpoint.every_steps=4"]
+    assert _steps(Cadence.memory_copy, copies) == [2, 6]
+    assert _steps(Cadence.memory_copy, ["fault.memory_copy_steps=0"]) == []
