@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from elasticrl.run_folder import metric_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "tiny_grpo.yaml"
 SPECS = {"ppo": ROOT / "examples" / "tiny_ppo.yaml"}  # the variants that are not SPEC's job
@@ -64,7 +66,7 @@ def run(name: str, steps: int, dtype: str, seed: int, out: Path) -> dict:
     proc = subprocess.run(cmd + [x for kv in sets for x in ("--set", kv)], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         return {"algorithm": name, "seed": seed, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    rows = [json.loads(ln) for ln in (folder / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    rows = metric_rows(folder)
     evals = [r for r in rows if "eval/accuracy" in r]
     steps_s = [r["time/step"] for r in rows if "time/step" in r]
     first, last = evals[0], evals[-1]

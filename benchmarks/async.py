@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from elasticrl.run_folder import metric_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {"sync": ["rl.async_rollout=false"],
          "batch_async": ["rl.async_rollout=true"],
@@ -40,7 +42,7 @@ def _run(spec: Path, sets: list[str], out: Path) -> list[dict]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return metric_rows(out)
 
 
 def _long_tail(rows: list[dict], samples: int) -> dict:

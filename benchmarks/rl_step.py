@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from elasticrl.backend import tree_memory
+from elasticrl.run_folder import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "benchmarks" / "rl_step.yaml"
@@ -71,7 +72,7 @@ def _run(cmd: list[str], first_step, memory: bool) -> dict:
 
 def _elasticrl(args, model_dir: Path, sets: list[str], memory: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="rl-step-"))
-    metrics = out / "run" / "metrics.jsonl"
+    metrics = out / "run" / METRICS
 
     def step1(line):  # metrics.jsonl gets step 1's row when it ends
         return line is None and metrics.is_file() and '"step": 1,' in metrics.read_text()

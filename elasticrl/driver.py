@@ -14,6 +14,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from elasticrl import run_folder as rf
 from elasticrl.files import claim_output, write_text
 
 
@@ -140,9 +141,9 @@ def output_problem(output: Path) -> str | None:
 def _remove_what_a_failed_run_began(output: Path) -> None:
     """A run that failed in a folder that was empty leaves no spec.yaml and no empty metrics
     file there (nothing that looks like a run); the folder goes too when nothing else is left."""
-    for name in ("spec.yaml", "metrics.jsonl"):
+    for name in (rf.SPEC, rf.METRICS):
         path = output / name
-        if path.is_file() and (name == "spec.yaml" or path.stat().st_size == 0):
+        if path.is_file() and (name == rf.SPEC or path.stat().st_size == 0):
             path.unlink()
     try:
         output.rmdir()  # only when empty

@@ -6,23 +6,13 @@ transport's name) are skipped. Files are written atomically into ``DIR/plots/``.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
+from elasticrl import run_folder as rf
+
 PER_FIGURE = 6
-
-
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not a JSON object ({exc.msg})") from None
-    return rows
 
 
 def series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
@@ -49,16 +39,16 @@ def plot_run(run_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / rf.METRICS
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics}: no metrics here; pass the --output folder of a run")
-    data = series(read_metrics(metrics))
+    data = series(rf.metric_rows(run_dir))
     if not data:
         raise ValueError(f"{metrics}: no numeric metrics to plot")
     groups: dict[str, list[str]] = {}
     for key in data:
         groups.setdefault(key.split("/")[0] if "/" in key else "train", []).append(key)
-    out_dir = run_dir / "plots"
+    out_dir = run_dir / rf.PLOTS
     out_dir.mkdir(exist_ok=True)
     written = []
     for group, keys in sorted(groups.items()):

@@ -33,6 +33,7 @@ import zlib
 from pathlib import Path
 
 from components import JOIN_TIMEOUT_S, LOST_S, OUTPUT
+from elasticrl import run_folder as rf
 from elasticrl.files import mark_owner, owned_dir, owner_gone, remove_with_processes, sweep_orphans, write_text
 from elasticrl.plan.roles import POOL_PREFIX
 
@@ -197,7 +198,7 @@ def head(ns: argparse.Namespace) -> int:
     ip = _node_ip(ns.host)
     sweep_orphans("erl-*")  # what SIGKILLed nodes of earlier apps left
     temp = owned_dir(_temp_dir(ns.app_id))
-    log_path = Path(ns.output) / "logs" / "ray-head.log"
+    log_path = Path(ns.output) / rf.LOGS / "ray-head.log"
     proc, code = None, 1
     _on_terminate.append(lambda: proc is not None and _stop(proc, 1.0))
     _on_terminate.append(lambda: remove_with_processes(temp))
@@ -288,7 +289,7 @@ def worker(ns: argparse.Namespace) -> int:
     temp = owned_dir(f"{_temp_dir(ns.app_id)}-{ns.role}-{os.getpid()}")
     args += ["--temp-dir", str(temp / "r")]  # inside a folder private to the user: Ray opens its own to all
     _log(f"joining the Ray head at {address} as a node of app role {ns.role!r}")
-    proc = _start_ray(args, ns.app_id, Path(ns.output) / "logs" / f"ray-{ns.role}-{os.getpid()}.log")
+    proc = _start_ray(args, ns.app_id, Path(ns.output) / rf.LOGS / f"ray-{ns.role}-{os.getpid()}.log")
     _on_terminate.extend([lambda: _stop(proc, 1.0), lambda: remove_with_processes(temp)])
     lost_since = None
     try:

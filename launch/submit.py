@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from components import LOST_S
+from elasticrl import run_folder as rf
 
 SCHEDULERS = ("local_cwd", "slurm", "kubernetes")
 REACH = {"slurm": "check that Slurm answers on this machine (sinfo), or launch with --scheduler local_cwd",
@@ -138,18 +139,17 @@ def join_node(app_id: str, output: str, role: str, engines: int, gpus: int, cfg:
 
 def resumable_step(output: str) -> int | None:
     """The step a restarted job of ``output`` resumes from (its newest checkpoint), if any."""
-    from elasticrl.engine.checkpoint import CHECKPOINTS, list_checkpoints
+    from elasticrl.engine.checkpoint import list_checkpoints
 
-    found = list_checkpoints(Path(output) / CHECKPOINTS)
+    found = list_checkpoints(Path(output) / rf.CHECKPOINTS)
     return found[-1][0] if found else None
 
 
 def finished_since(output: str, t0: float) -> bool:
     """Whether the job of ``output`` finished (its driver wrote ``finished.json``) after ``t0``:
     an app that failed because a pool node was lost may still have finished the job."""
-    from elasticrl.trainers.loop import FINISHED
 
-    path = Path(output) / FINISHED
+    path = Path(output) / rf.FINISHED
     return path.is_file() and path.stat().st_mtime >= t0
 
 
@@ -166,7 +166,6 @@ def slurm_restarts(job_id: str) -> int | None:
 def _told(handle: str, restarts: int | None) -> str:
     """What the head's log tells of a Slurm job's failures: the restart and the step it
     resumed from, rollout engines lost, trainer recoveries, frozen roles re-formed ('' when nothing)."""
-    from elasticrl.engine.checkpoint import RESUMING
 
     # the file itself (TorchX's log reader waits for a running job to end)
     log = Path(f"slurm-{_split(handle)[2]}-head-0.err")  # Slurm writes it where launch ran
@@ -176,7 +175,7 @@ def _told(handle: str, restarts: int | None) -> str:
         return ""
     out = ""
     if restarts:
-        said = [ln for ln in lines if RESUMING in ln]
+        said = [ln for ln in lines if rf.RESUMING in ln]
         m = re.search(r"\((step \d+)\)", said[-1]) if said else None
         out += f"; restarted {restarts} time(s)" + (f", resumed from {m.group(1)}" if m else "")
     engines = sum(bool(re.search(r"rollout engine \d+ (died|stopped answering)", ln)) for ln in lines)

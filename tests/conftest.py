@@ -152,7 +152,7 @@ def resumes_exactly(run, spec, straight: Path, step: int, capsys) -> Path:
     """``straight`` stopped after ``step`` (``stopped_at``) and resumed by ``run(spec, folder)``:
     the run says it resumed there (one that started over would repeat the same rows) and
     repeats the rows after it (``same_after``). Returns the resumed run's folder."""
-    from elasticrl.engine.checkpoint import RESUMING
+    from elasticrl.run_folder import RESUMING
 
     resumed = stopped_at(straight, step, straight.parent / f"resumed-at-{step}")
     capsys.readouterr()

@@ -28,9 +28,7 @@ import elasticrl
 from elasticrl.files import read_json, replace_folder, write_text
 
 FORMAT = 3  # of what a checkpoint holds; bump when a reader of the old one would misread it
-CHECKPOINTS = "checkpoints"  # OUTPUT/checkpoints/step_NNNNNNN/
 STATE_FILE = "trainer_state.json"
-RESUMING = "resuming from checkpoint"  # the console line `elasticrl status` looks for
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # the only files elasticrl writes into a checkpoint (a tokenizer's chat template is Jinja text)
 SAFE_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt")

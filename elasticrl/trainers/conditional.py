@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from elasticrl import run_folder as rf
 from elasticrl.data.records import read_records, write_jsonl
 from elasticrl.spec import JobSpec
 from elasticrl.spec.load import parse_attributes
@@ -70,13 +71,13 @@ def run_conditional(spec: JobSpec, output: Path) -> dict:
     summary = train_sft(spec, output, {"train": train, "eval": evals})
     if spec.conditional.compare_attributes and spec.export.enabled:
         # the same held-out prompts asked for the compared attributes, on the exported model
-        model = load_causal_lm(output / "final", spec.model.trust_remote_code)
-        tok = load_tokenizer(output / "final", spec.model.trust_remote_code)
+        model = load_causal_lm(output / rf.FINAL, spec.model.trust_remote_code)
+        tok = load_tokenizer(output / rf.FINAL, spec.model.trust_remote_code)
         records = read_records(compare, (d.prompt_key, d.answer_key))[: spec.eval.num_prompts or None]
         correct, total = greedy_accuracy(model, tok, records, spec,
                                          max_new_tokens=spec.eval.max_new_tokens, dp_rank=0, dp_size=1,
                                          synced=False, device="cpu")
         summary["compare_accuracy"] = correct / max(1, total)
-        with open(output / "metrics.jsonl", "a") as f:
+        with open(output / rf.METRICS, "a") as f:
             f.write(json.dumps({"step": summary["steps"], "eval/compare_accuracy": summary["compare_accuracy"]}) + "\n")
     return summary

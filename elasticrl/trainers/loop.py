@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from elasticrl import run_folder as rf
 from elasticrl.backend import environment
 from elasticrl.data.records import read_records
 from elasticrl.engine import checkpoint as ckpt
@@ -31,7 +32,7 @@ class MetricsLog:
     its checkpoint and logs those steps again."""
 
     def __init__(self, output: Path, spec: JobSpec, resume_step: int | None):
-        self.path = path = output / "metrics.jsonl"
+        self.path = path = output / rf.METRICS
         if resume_step is None:
             path.unlink(missing_ok=True)
         elif path.exists():  # drop lines past the checkpoint: the resumed run rewrites them
@@ -45,8 +46,8 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             if resume_step is None:  # a fresh run's events only
-                shutil.rmtree(output / "tensorboard", ignore_errors=True)
-            self.tensorboard = SummaryWriter(str(output / "tensorboard"), purge_step=(resume_step or 0) + 1)
+                shutil.rmtree(output / rf.TENSORBOARD, ignore_errors=True)
+            self.tensorboard = SummaryWriter(str(output / rf.TENSORBOARD), purge_step=(resume_step or 0) + 1)
             for key, value in about.items():
                 self.tensorboard.add_text(key, "```\n" + yaml.safe_dump(value, sort_keys=False) + "```",
                                           resume_step or 0)
@@ -70,7 +71,7 @@ class MetricsLog:
         and, with TensorBoard, shown in its text tab."""
         rows = [{"step": step, "reward": s.episode["reward"], "error": s.episode["error"],
                  "messages": s.episode["messages"]} for s in samples]
-        with open(self.path.with_name("episodes.jsonl"), "a") as fh:
+        with open(self.path.with_name(rf.EPISODES), "a") as fh:
             fh.write("".join(json.dumps(r) + "\n" for r in rows))
         if self.tensorboard is not None:
             text = "\n\n---\n\n".join("\n\n".join(f"**{m['role']}**: `{m['content']}`" for m in r["messages"])
@@ -122,9 +123,9 @@ def finish_run(group, spec: JobSpec, output: Path, summary: dict, row: dict, pro
     progress.close()
     metrics.close()
     if spec.export.enabled:
-        with atomic_folder(output / "final") as tmp:  # every rank writes its files into it
+        with atomic_folder(output / rf.FINAL) as tmp:  # every rank writes its files into it
             group.call("export", str(tmp))
-        summary["export"] = str(output / "final")
+        summary["export"] = str(output / rf.FINAL)
     summary["final"] = row
     return summary
 
@@ -135,14 +136,8 @@ def prepare_output(spec: JobSpec, output: Path) -> Path:
         raise ValueError("log.wandb: logging to W&B online needs a key (WANDB_API_KEY, or `wandb login`); or set "
                          "log.wandb_mode: offline and `wandb sync` later")
     output.mkdir(parents=True, exist_ok=True)
-    dump_spec(spec, output / "spec.yaml")
+    dump_spec(spec, output / rf.SPEC)
     return output
-
-
-FINISHED = "finished.json"
-
-
-SCALE = "scale.json"  # OUTPUT/scale.json: what `elasticrl scale` asks of the running job
 
 
 def ask_engines(output: Path, engines: int) -> Path:
@@ -151,22 +146,22 @@ def ask_engines(output: Path, engines: int) -> Path:
     if engines < 1:
         raise ValueError(f"--engines: a job needs at least 1 rollout engine, got {engines}")
     job_spec(output)
-    if (output / FINISHED).is_file():
+    if (output / rf.FINISHED).is_file():
         raise ValueError(f"{output}: that job has finished; scaling applies to a running job")
-    return write_text(output / SCALE, json.dumps({"engines": engines, "asked_at": time.time()}))
+    return write_text(output / rf.SCALE, json.dumps({"engines": engines, "asked_at": time.time()}))
 
 
 def job_spec(output: Path) -> JobSpec:
     """The spec of the job writing into ``output`` (its spec.yaml); ValueError when none is."""
-    if not (output / "spec.yaml").is_file():
+    if not (output / rf.SPEC).is_file():
         raise ValueError(f"{output}: no job runs there (no spec.yaml); give the --output of a running job")
-    return load_spec(read_raw(output / "spec.yaml"), check_paths=False)
+    return load_spec(read_raw(output / rf.SPEC), check_paths=False)
 
 
 def engines_now(output: Path) -> int:
     """The rollout engines of the job in ``output``: its last metrics row's, else its spec's."""
     spec = job_spec(output)
-    path = output / "metrics.jsonl"
+    path = output / rf.METRICS
     for line in reversed(path.read_text().splitlines() if path.is_file() else []):
         with contextlib.suppress(ValueError):
             row = json.loads(line)
@@ -178,7 +173,7 @@ def engines_now(output: Path) -> int:
 def asked_engines(output: Path, seen: float) -> tuple[int | None, float]:
     """(engines asked since ``seen``, the request's time) or (None, seen)."""
     try:
-        asked = json.loads((output / SCALE).read_text())
+        asked = json.loads((output / rf.SCALE).read_text())
     except (OSError, ValueError):
         return None, seen
     if asked.get("asked_at", 0) <= seen:
@@ -188,14 +183,15 @@ def asked_engines(output: Path, seen: float) -> tuple[int | None, float]:
 
 def mark_finished(spec: JobSpec, output: Path, summary: dict) -> None:
     """``OUTPUT/finished.json``: the run ended; its spec and summary."""
-    write_text(output / FINISHED, json.dumps({"spec": spec_to_dict(spec), "summary": summary}, default=str, indent=1))
+    write_text(output / rf.FINISHED,
+               json.dumps({"spec": spec_to_dict(spec), "summary": summary}, default=str, indent=1))
 
 
 def finished_run(spec: JobSpec, output: Path) -> dict | None:
     """The summary of the run that finished in ``output`` with this spec (rerunning it does
     nothing), or None: no finished run there, ``checkpoint.resume`` is not 'auto', or the spec
     asks for more steps and a checkpoint lets the run continue."""
-    path = output / FINISHED
+    path = output / rf.FINISHED
     if spec.checkpoint.resume != "auto" or not path.is_file():
         return None
     done = json.loads(path.read_text())
@@ -242,7 +238,7 @@ def find_resume(spec: JobSpec, output: Path) -> ckpt.Resume:
     if choice is None:
         return ckpt.Resume()
     if choice == "auto":
-        found = list_checkpoints(output / ckpt.CHECKPOINTS)
+        found = list_checkpoints(output / rf.CHECKPOINTS)
         if not found:
             return ckpt.Resume()
         path = found[-1][1]
@@ -251,7 +247,7 @@ def find_resume(spec: JobSpec, output: Path) -> ckpt.Resume:
         if not (path / ckpt.STATE_FILE).is_file():
             raise ValueError(f"checkpoint.resume: {path} is not a checkpoint folder (no {ckpt.STATE_FILE})")
     state = ckpt.check_resumable(path, spec)
-    print(f"{ckpt.RESUMING} {path.name} (step {state['step']})", file=sys.stderr, flush=True)
+    print(f"{rf.RESUMING} {path.name} (step {state['step']})", file=sys.stderr, flush=True)
     return ckpt.Resume(path, state)
 
 
@@ -328,7 +324,7 @@ class Checkpoints:
     checkpoint as it was, and a full disk is one line naming the fix."""
 
     def __init__(self, spec: JobSpec, output: Path, asked: JobSpec | None = None):
-        self.spec, self.asked, self.root = spec, asked or spec, output / ckpt.CHECKPOINTS
+        self.spec, self.asked, self.root = spec, asked or spec, output / rf.CHECKPOINTS
         self.pending: tuple | None = None  # (step, temp folder, {role: group}, t0, seconds blocking)
         self.done: list[dict] = []        # each committed checkpoint's figures
         self.reported = 0

@@ -25,6 +25,7 @@ from pathlib import Path
 import ray
 
 from elasticrl import backend
+from elasticrl import run_folder as rf
 from elasticrl.cluster import RoleError, ray_session
 from elasticrl.data.records import prompt_answer, read_records
 from elasticrl.engine.checkpoint import Resume
@@ -137,7 +138,7 @@ def _train_run(run: Run, resume: Resume) -> dict:
                                 run.cadence)
     start = resume_state(run, resume) if resume.folder else 0
     transport = roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb,
-                                  str(run.output / "weights"))
+                                  str(run.output / rf.WEIGHTS))
     if resume.folder or (spec.model.lora.quantize != "none" and not roles.pool.lora_rank):
         roles.pool.sync(run.version)  # (the engines loaded the 16-bit base, not the trainer's 4-bit one)
     run.metrics = MetricsLog(run.output, run.asked, resume_step=start if resume.folder else None)

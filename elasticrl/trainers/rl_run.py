@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elasticrl import backend
+from elasticrl import run_folder as rf
 from elasticrl.algorithms.normalize import RunningMoments
 from elasticrl.cluster import Placement, RoleError, RoleGroup, Unplaceable
 from elasticrl.cluster.group import where
@@ -272,12 +273,12 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
     run.restarts += 1
     run.source.drop()  # rolled out on weights the restored roles never had
     run.checkpoints.salvage()  # a checkpoint the ranks were writing is one if they all finished it
-    found = list_checkpoints(run.output / ckpt.CHECKPOINTS)
+    found = list_checkpoints(run.output / rf.CHECKPOINTS)
     source = "the newest checkpoint" if found else "the start"
     copies = run.copies
     if copies.step is not None and (not found or copies.step > found[-1][0]):  # newer: it becomes a checkpoint
         if run.checkpoints.adopt(copies.step, copies.state, copies.write):
-            found, source = list_checkpoints(run.output / ckpt.CHECKPOINTS), "the in-memory copy"
+            found, source = list_checkpoints(run.output / rf.CHECKPOINTS), "the in-memory copy"
         copies.drop()
     resume = ckpt.resume_from(found[-1][1]) if found else Resume()
     roles.form_trained(resume, elastic=True)
@@ -288,7 +289,7 @@ def recover(run: Run, exc: RoleError, step: int) -> int:
         start = resume_state(run, resume)
     run.metrics.close()
     run.metrics = MetricsLog(run.output, run.asked, resume_step=start)
-    roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(run.output / "weights"))
+    roles.pool.attach(roles.actor, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(run.output / rf.WEIGHTS))
     roles.pool.sync(run.version)
     run.seconds_lost += time.time() - run.saved_at
     run.saved_at = time.time()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from elasticrl import run_folder as rf
 from elasticrl.cluster import Placement, RoleGroup, ray_session
 from elasticrl.data.records import format_prompt, read_records, sample_indices, write_jsonl
 from elasticrl.models import load_tokenizer
@@ -95,7 +96,7 @@ def run_rounds(spec: JobSpec, output: Path) -> dict:
             group.setup(total, resume=resume.role("actor"))
             pool = RolloutPool(model, spec.rollout, spec.model.dtype, spec.seed, spec.model.trust_remote_code,
                                where=placement.options("rollout"))
-            pool.attach(group, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(output / "weights"))
+            pool.attach(group, spec.rollout.weight_sync, spec.rollout.bucket_mb, str(output / rf.WEIGHTS))
             if state["version"]:  # resumed: the engines start from the checkpoint's weights
                 pool.sync(state["version"])
             summary = _loop(spec, group, pool, rewards, prompts, evals, model, output, state)
@@ -143,7 +144,7 @@ def _loop(spec, group, pool, rewards, prompts, evals, model, output, state: dict
         k = rl.samples_per_prompt
         per_prompt = [scores[i * k:(i + 1) * k] for i in range(len(batch))]
         records = select(spec, batch, texts, per_prompt)
-        data = output / "rounds" / f"{rnd + 1}.jsonl"
+        data = output / rf.ROUNDS / f"{rnd + 1}.jsonl"
         write_jsonl(data, records)
         t_gen = time.time() - t0
         valid = [v for v in scores if v is not None]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 
+from elasticrl import run_folder as rf
 from elasticrl.backend import resolve_dtype
 from elasticrl.files import atomic_folder
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
@@ -27,11 +28,11 @@ def _cached(spec: JobSpec, kind: str) -> str:
     blob = {"spec": fields, "world": world_key(spec.world)}
     key = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
     final = cache_root() / f"{kind}-{key}"
-    if not (final / "final" / "config.json").is_file():
+    if not (final / rf.FINAL / "config.json").is_file():
         log.warning("%s: training %s (cached in %s)", kind, spec.algorithm, final)
         with atomic_folder(final) as tmp:
             run_job(spec, tmp)
-    return str(final / "final")
+    return str(final / rf.FINAL)
 
 
 def _small_job(spec: JobSpec, algorithm: str, steps: int, lr: float, model_path: str | None) -> JobSpec:
