@@ -1,7 +1,7 @@
 # The two set-up commands of the README. Each installs what it needs first (.venv/).
 OUT ?= runs/tiny_grpo
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint docs install clean
 install:
 	@bash scripts/install.sh
 
@@ -17,5 +17,9 @@ test: install
 lint: install
 	.venv/bin/ruff check .
 
+# The documentation site, built strictly (a broken link or anchor fails) into site/.
+docs: install
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
 clean:
-	rm -rf .venv runs
+	rm -rf .venv runs site

@@ -99,7 +99,7 @@ def attention() -> str | None:
     """transformers' attention kernel for trained and scoring models; None keeps its default
     (SDPA). On CPUs the plain ('eager') one: a padded forward + backward of 16 x 145 tokens of
     the 44m world took 2.17 s with it against 2.69 s with SDPA in bf16, 5.3 against 6.1 s in
-    fp32 (2 threads; the backward of masked SDPA is the slow part; benchmarks/README.md)."""
+    fp32 (2 threads; the backward of masked SDPA is the slow part; docs/benchmarks.md)."""
     return None if has_gpu() else "eager"
 
 

@@ -24,6 +24,7 @@ def error(message: str) -> None:
 
 def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = ()) -> int:
     from elasticrl.spec import SpecError, load_spec
+    from elasticrl.spec.load import notes
 
     output = Path(output)
     try:
@@ -31,6 +32,8 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
     except SpecError as exc:
         error(str(exc) if str(exc).startswith(str(spec_path)) else f"{spec_path}: {exc}")
         return 2
+    for line in notes(job):
+        print(f"note: {line}", file=sys.stderr, flush=True)
     problem = output_problem(output)
     if problem:
         error(problem)

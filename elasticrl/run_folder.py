@@ -1,7 +1,7 @@
 """The run folder, a job's output: every name in it, once, and the files through which a
 running job and the commands outside it talk (``elasticrl status``, ``scale``, ``launch``'s
 restarts). The trainers, ``launch``, ``plot`` and the benchmarks name them from here; the
-README's "What a run leaves" says what each holds."""
+docs/runs.md says what each holds."""
 from __future__ import annotations
 
 import json

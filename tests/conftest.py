@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Tests about learning (a model must get better) train at `model.dtype: auto`, as users' runs do:
 # bf16 on CPUs with AVX512-BF16 or AMX, fp32 elsewhere; every other test pins fp32. The margins
-# of the learning tests were checked under both precisions and several seeds (README,
+# of the learning tests were checked under both precisions and several seeds (docs/development.md,
 # Development); ELASTICRL_TEST_DTYPE and ELASTICRL_TEST_SEED rerun them under others.
 SEED = f"seed={os.environ.get('ELASTICRL_TEST_SEED', '1234')}"  # alone: the learning runs pinned to fp32
 LEARNING = [f"model.dtype={os.environ.get('ELASTICRL_TEST_DTYPE', 'auto')}", SEED]

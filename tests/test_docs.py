@@ -1,5 +1,5 @@
-"""What the documents cite exists: every test file, script and example the README, the
-benchmarks' README and the design notes name by path, and the design notes the tests cite."""
+"""What the documents cite exists: every test file, script and example the README, the pages
+under docs/ and tests/README.md name by path, and the design notes the tests cite."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-DOCS = ["README.md", "benchmarks/README.md", "docs/DESIGN.md", "docs/STYLE.md", "docs/algorithms.md", "tests/README.md"]
+DOCS = ["README.md", "tests/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 PATH = re.compile(r"(?<![\w/.-])((?:tests|benchmarks|scripts|examples|docs)/[\w/.-]+\.(?:py|yaml|sh|md))")
 
 

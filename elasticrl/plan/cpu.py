@@ -10,7 +10,7 @@ in_actor``: one process fewer importing the stack and holding its memory). Rollo
 of one thread each, one per core, as far as memory allows (vLLM's CPU decode at small
 batches scales better over engines than over threads: on the step benchmark's 44m model,
 two engines of one thread rolled out a step in 5.0 s where one engine of two took 9.0; see
-benchmarks/README.md). One rank trains at ZeRO stage 0 (unless the spec sets a stage or an
+docs/benchmarks.md). One rank trains at ZeRO stage 0 (unless the spec sets a stage or an
 offload): stage 2 partitions nothing there, yet its first step sets up its buffers (the step
 benchmark in bf16 on a 2-core AMX CPU: step 1's update 10.8 s at stage 2 against 7.6 at stage
 0, later ones 5.9-6.4 against 5.7-5.9; earlier, on an AMD CPU, 10.7-12.0 s against 10.6-11.1

@@ -1,5 +1,5 @@
 """The memory model: bytes per GPU of each role, by phase. Pure arithmetic, documented in
-the README ("The planner"), checked in tests against published figures (the ZeRO paper's
+docs/planner.md, checked in tests against published figures (the ZeRO paper's
 7.5B example, published parameter counts and KV-cache sizes).
 
 Notation: P parameters, b bytes per 16-bit value (2), n ranks sharing the model, K = 12

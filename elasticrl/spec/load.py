@@ -232,6 +232,18 @@ def _convert_section(cls, value: Any, path: str):
     return cls(**kwargs)
 
 
+LORA_LR = 2e-4  # below this, a note says adapters usually want more
+
+
+def notes(spec: JobSpec) -> list[str]:
+    """What a valid spec may still want changed, said once at the start of a run."""
+    if spec.model.lora.rank and spec.train.lr < LORA_LR:
+        return [f"model.lora.rank {spec.model.lora.rank} with train.lr {spec.train.lr:g}: adapters train a small "
+                "share of the weights and usually want several times a full fine-tune's rate "
+                "(examples/tiny_grpo_lora.yaml: 1e-3 against tiny_grpo.yaml's 8e-5; docs/lora.md)"]
+    return []
+
+
 def lora_refusal(spec: JobSpec) -> str | None:
     """Why this job cannot train LoRA adapters (with the fix), or None when it can."""
     if not ALGORITHMS[spec.algorithm].lora:

@@ -1,7 +1,7 @@
 """The job spec: one typed tree, every field with a default and a one-line doc.
 
 The docs live next to the fields (``doc(...)``) so that ``elasticrl spec --help`` and the
-README's reference are generated from the same place the loader validates against.
+docs/spec.md's reference are generated from the same place the loader validates against.
 """
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ class RolloutSpec:
         "Multi-turn episodes: an environment class (package.module:Class, one instance per episode, in "
         "rewards.workers processes of its own; elasticrl.envs:ToolEnvironment answers tool calls with "
         "rollout.tools) or an http(s) URL serving one (elasticrl.envs.RemoteEnvironment), which answers each "
-        "model turn with the next observation (README, Agents and tools); null: one completion per prompt.", None)
+        "model turn with the next observation (docs/agents.md); null: one completion per prompt.", None)
     tools: list[str] = doc("Tools offered to the model (package.module:function; a type-hinted function with a "
                            "Google-style docstring, its JSON schema from both), besides the environment's own.",
                            factory=list)
@@ -500,7 +500,7 @@ class FaultSpec:
                                  "node (on one node, a process of its own); a recovery starts from the newest of it "
                                  "and the checkpoints, so fewer steps are redone. Costs three checkpoints' size of "
                                  "host memory (each rank's buffer, the keepers' two newest copies) and each rank's "
-                                 "copy time (README, Sharded state). 0: off.", 0, min=0)
+                                 "copy time (docs/resume.md, Sharded state). 0: off.", 0, min=0)
     place_timeout_s: float = doc("Seconds a re-formed actor or critic waits for its ranks to be placed before it "
                                  "re-forms on fewer (as many as the live nodes hold, keeping the global batch "
                                  "through gradient accumulation; a node that died is seen at once), and a "

@@ -39,7 +39,7 @@ BASE = ["model.dtype=fp32", "log.progress_bar=false", "log.every_steps=1", "chec
 # CI's minutes. On the default world 12 steps moved the held-out margin by chance only (seeds 1
 # and 3: 0.006 and -0.024); here, under 4 seeds in fp32 and one in bf16, every variant ended
 # with a margin of 0.10-0.28, log pi(chosen) - log pi(rejected) up by 1.0-2.8, and pairwise
-# accuracy 0.645-0.763 (KTO, which never contrasts a pair, 0.572-0.717) (README, Development).
+# accuracy 0.645-0.763 (KTO, which never contrasts a pair, 0.572-0.717) (docs/development.md).
 PREFERENCE = ["world.max_operand=9", "eval.num_prompts=0", "train.max_steps=24"]
 
 
@@ -103,7 +103,7 @@ ROUNDS = ["model.dtype=fp32", "log.progress_bar=false", "checkpoint.resume=null"
 # example's lr (1e-4; a fresh AdamW at 3e-4 raised the SFT loss of a round's own records and
 # lowered its accuracy on them). Over 3 rounds, under 3 seeds, greedy accuracy on the prompts the
 # rounds sampled rose by 7.7-13.4 points for both algorithms; held-out accuracy (38 problems) by
-# 0-18 points, too unevenly to assert (README, Development).
+# 0-18 points, too unevenly to assert (docs/development.md).
 ROUNDS_LEARNING = ["rl.samples_per_prompt=8", "rounds.steps_per_round=16"]
 
 
@@ -218,7 +218,7 @@ def test_conditional_sft_follows_its_attribute_and_resumes_exactly(ray_cluster, 
 
 
 # Single-digit operands: the 2M model learns to judge these answers within CI's minutes
-# (two-digit ones take it far longer; the README has both).
+# (two-digit ones take it far longer; docs/preference.md has both).
 SMALL_WORLD = ["world.max_operand=9", "eval.num_prompts=0", "train.lr=1e-3", "train.micro_batch_size=32",
                "train.global_batch_size=64"]
 
@@ -262,7 +262,7 @@ def test_reward_model_with_lora_ranks_held_out_pairs_exports_a_merged_model_and_
 
 def test_process_reward_model_learns_to_find_the_wrong_step_and_resumes(ray_cluster, tmp_path, capsys):
     # 400 steps: after 200, step accuracy was 0.680-0.744 and best-of-4 0.297-0.609 under 3 seeds
-    # (0.676 on another CPU); after 400 they were 0.754-0.824 and 0.484-0.672 (README, Development)
+    # (0.676 on another CPU); after 400 they were 0.754-0.824 and 0.484-0.672 (docs/development.md)
     spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + [
         "train.max_steps=400", *LEARNING, "checkpoint.every_steps=380", "checkpoint.resume=auto"])
     summary = run_prm(spec, tmp_path / "run")

@@ -1,6 +1,6 @@
 """The RL loop on the real stack: Ray roles, vLLM's CPU engines, DeepSpeed ranks, a weight
 sync after every step. Short runs on the tiny world; the learning itself is shown by
-examples/tiny_grpo.yaml and tiny_ppo.yaml (README; one test here keeps PPO learning), these check
+examples/tiny_grpo.yaml and tiny_ppo.yaml (docs/rl.md; one test here keeps PPO learning), these check
 the wiring, the bookkeeping and the failures."""
 from __future__ import annotations
 

@@ -161,10 +161,15 @@ def test_cli_spec_prints_resolved(tmp_path):
     assert resolved["train"]["lr"] == 5e-4 and resolved == spec_to_dict(load_spec(resolved))
 
 
-def test_readme_documents_every_field():
-    readme = (EXAMPLES.parent / "README.md").read_text()
-    missing = [path for path, _, _ in describe() if f"| `{path}` |" not in readme]
-    assert missing == [], f"README's spec reference lacks {missing}; regenerate: elasticrl spec --markdown"
+def test_the_spec_page_is_the_schema():
+    """docs/spec.md's reference is what the schema generates, row for row."""
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES.parent / "scripts"))
+    from update_spec_doc import table
+
+    page = (EXAMPLES.parent / "docs" / "spec.md").read_text()
+    assert table() in page, "docs/spec.md differs from the schema; regenerate: python scripts/update_spec_doc.py"
 
 
 def test_every_shipped_spec_loads_and_its_reward_functions_import():
@@ -196,3 +201,12 @@ def test_a_lora_adapter_folder_is_not_taken_for_a_model(tmp_path):
         with pytest.raises(SpecError, match=rf"^{re.escape(field)}: {tmp_path}/final is a LoRA adapter folder "
                                             r"\(peft\), not a whole model; give its merged export \(export.merge"):
             load_spec(spec)
+
+
+def test_a_lora_run_at_a_full_fine_tunes_rate_is_told_to_raise_it():
+    from elasticrl.spec.load import notes
+
+    [note] = notes(load_spec(str(EXAMPLES / "tiny_grpo.yaml"), ["model.lora.rank=8"]))
+    assert note.startswith("model.lora.rank 8 with train.lr 8e-05:") and "docs/lora.md" in note
+    assert notes(load_spec(str(EXAMPLES / "tiny_grpo_lora.yaml"))) == []
+    assert notes(load_spec(str(EXAMPLES / "tiny_grpo.yaml"))) == []
