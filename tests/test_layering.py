@@ -28,8 +28,8 @@ def _imports(path: Path) -> set[str]:
 
 # The packages from the bottom up: each imports only packages below it (and itself), in any
 # function as at the top. Modules at the package's root are listed as packages.
-LAYERS = [("files", "backend", "algorithms", "parallel", "run_folder"), ("spec",), ("world",), ("data",), ("plan",), ("rewards",),
-          ("envs",), ("models",), ("weights",), ("engine",), ("cluster",), ("rollout",), ("trainers",),
+LAYERS = [("files", "backend", "algorithms", "parallel", "run_folder"), ("spec",), ("world",), ("data",), ("plan",),
+          ("rewards",), ("envs",), ("models",), ("weights",), ("engine",), ("cluster",), ("rollout",), ("trainers",),
           ("doctor", "driver", "plot"), ("cli",)]
 
 
