@@ -24,7 +24,7 @@ def error(message: str) -> None:
 
 def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = ()) -> int:
     from elasticrl.spec import SpecError, load_spec
-    from elasticrl.spec.load import notes
+    from elasticrl.spec.rules import notes
 
     output = Path(output)
     try:

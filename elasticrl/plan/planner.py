@@ -30,7 +30,7 @@ from elasticrl.plan.memory import (
 )
 from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
 from elasticrl.spec.algorithms import ALGORITHMS
-from elasticrl.spec.load import lora_refusal
+from elasticrl.spec.rules import lora_refusal
 from elasticrl.spec.schema import JobSpec
 
 PLANNED = ("train.num_ranks", "train.zero_stage", "train.offload_optimizer", "train.offload_params",

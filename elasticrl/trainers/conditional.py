@@ -22,7 +22,7 @@ from pathlib import Path
 from elasticrl import run_folder as rf
 from elasticrl.data.records import read_records, write_jsonl
 from elasticrl.spec import JobSpec
-from elasticrl.spec.load import parse_attributes
+from elasticrl.spec.rules import parse_attributes
 from elasticrl.trainers.loop import check_user_files, data_paths
 from elasticrl.world import world_paths
 

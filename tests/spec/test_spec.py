@@ -204,7 +204,7 @@ def test_a_lora_adapter_folder_is_not_taken_for_a_model(tmp_path):
 
 
 def test_a_lora_run_at_a_full_fine_tunes_rate_is_told_to_raise_it():
-    from elasticrl.spec.load import notes
+    from elasticrl.spec.rules import notes
 
     [note] = notes(load_spec(str(EXAMPLES / "tiny_grpo.yaml"), ["model.lora.rank=8"]))
     assert note.startswith("model.lora.rank 8 with train.lr 8e-05:") and "docs/lora.md" in note
