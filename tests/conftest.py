@@ -131,8 +131,10 @@ SAME = ("reward/mean", "accuracy", "policy_loss", "value_loss", "kl", "entropy",
 
 def metric_rows(out: Path) -> dict[int, dict]:
     """A run's metrics rows by step (rows of one step merged: conditional SFT's last two)."""
+    from elasticrl.run_folder import metric_rows as read_rows
+
     rows: dict[int, dict] = {}
-    for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+    for row in read_rows(out):
         rows.setdefault(row["step"], {}).update(row)
     return rows
 

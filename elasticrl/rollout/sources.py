@@ -127,8 +127,8 @@ class InStep:
         return (idx, *self.samples.now(idx, sampling_params(self.spec, step)))
 
     def more(self, step: int) -> tuple[list[int], list[Sample]]:
-        idx = self.order.draw()
-        return idx, self.samples.now(idx, sampling_params(self.spec, step))[0]
+        idx, samples, _ = InStep.next(self, step, 0)  # rolled out now, whatever the mode
+        return idx, samples
 
     def weights_changing(self) -> None:
         pass

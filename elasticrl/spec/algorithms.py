@@ -24,9 +24,13 @@ class Algorithm:
     #                                  response), 'prompts' (with reference answers); '' checked by its trainer
     pairs: bool = False              # learns from a chosen and a rejected answer (a round's best and worst)
     unpaired: bool = False           # learns from single answers labelled desirable or not (KTO; pairs split)
-    min_samples: int = 1             # rl.samples_per_prompt it needs (a round's pairs: 2)
     lora: bool = True                # trains LoRA adapters (model.lora)
     precomputed_reference: bool = False  # preference.reference 'precomputed' (the reference's log-probs once)
+
+    @property
+    def min_samples(self) -> int:
+        """rl.samples_per_prompt it needs: pairs from its own rollouts take a best and a worst."""
+        return 2 if self.pairs and self.rollout else 1
 
 
 _RL = "elasticrl.trainers.rl:run_rl"
@@ -43,7 +47,7 @@ ALGORITHMS = {
     "kto": Algorithm("preference", _PREFERENCE, reference=True, sequences=2, unpaired=True),
     "rejection_sampling": Algorithm("rounds", _ROUNDS, rollout=True, data="prompts", lora=False),
     "iterative_dpo": Algorithm("rounds", _ROUNDS, reference=True, rollout=True, sequences=2, data="prompts",
-                               pairs=True, min_samples=2, lora=False),
+                               pairs=True, lora=False),
     "grpo": Algorithm("rl", _RL, rollout=True, advantage="grpo", data="prompts"),
     "ppo": Algorithm("rl", _RL, rollout=True, critic=True, advantage="gae", data="prompts"),
     "reinforce++": Algorithm("rl", _RL, rollout=True, advantage="reinforce++_baseline", data="prompts"),

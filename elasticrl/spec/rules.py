@@ -221,8 +221,7 @@ def _preference(spec: JobSpec, here: bool) -> None:
 
 
 def _critic(spec: JobSpec, here: bool) -> None:
-    if ALGORITHMS[spec.algorithm].family == "rl" and ALGORITHMS[spec.algorithm].critic \
-            and spec.train.global_batch_size % spec.critic.num_ranks:
+    if ALGORITHMS[spec.algorithm].critic and spec.train.global_batch_size % spec.critic.num_ranks:
         raise SpecError("critic.num_ranks", f"must divide train.global_batch_size ({spec.train.global_batch_size}), "
                                             f"got {spec.critic.num_ranks}")
     if spec.critic.path is not None and here and not Path(spec.critic.path).is_dir():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -303,7 +302,7 @@ def changed_elements(new: torch.Tensor, old: torch.Tensor, limit: int) -> tuple[
     chunk = max(1, CHUNK_BYTES // (size * k))
     starts = list(range(0, x.size, chunk))
     threads = min(torch.get_num_threads(), len(starts))
-    compare = partial(_changed_words, x, y, chunk, k, NP_BITS[size])
+    compare = functools.partial(_changed_words, x, y, chunk, k, NP_BITS[size])
     parts = list(_pool().map(compare, [starts[i::threads] for i in range(threads)])) if threads > 1 \
         else [compare(starts)]
     index = sorted((part for p in parts for part in p), key=lambda part: part[0])
