@@ -32,6 +32,12 @@ def run_spec(spec_path: str | Path, output: str | Path, overrides: list[str] = (
     except SpecError as exc:
         error(str(exc) if str(exc).startswith(str(spec_path)) else f"{spec_path}: {exc}")
         return 2
+    from elasticrl.weights.transports import unknown
+
+    problem = unknown(job.rollout.weight_sync)  # the transports are modules, which the spec layer sits below
+    if problem:
+        error(f"{spec_path}: {problem}")
+        return 2
     for line in notes(job):
         print(f"note: {line}", file=sys.stderr, flush=True)
     problem = output_problem(output)

@@ -6,9 +6,9 @@ their parameters out as vLLM's tensor-parallel workers do (q/k/v fused into qkv 
 into gate_up, each part cut by rows; o/down by columns; embedding and head by vocabulary
 rows; norms whole), described by copy plans like those vLLM's loaders record. Each transport
 moves the slices with the project's own code (``elasticrl.weights.slices``, ``receive``,
-``group``) and every receiver checks its parameters bit-exact against the slices cut from
-the full tensors here (``--delta``: after a second sync that sends only what an update
-changed). Transports: ``p2p`` (a gloo or NCCL group, point to point), ``ipc``
+``group``, the transports' senders and receivers) and every receiver checks its parameters
+bit-exact against the slices cut from the full tensors here (``--delta``: after a second sync
+that sends only what an update changed). Transports: ``p2p`` (a gloo or NCCL group, point to point), ``ipc``
 (buckets in the senders' own buffers that the receivers map: CUDA IPC on a GPU, /dev/shm on
 CPU; a message and an answer per bucket, as Ray carries them in the product) and ``arena`` (the
 receivers' parameters in one /dev/shm buffer the senders write into; CPU only). Figures:
@@ -37,6 +37,9 @@ from elasticrl import backend  # noqa: E402
 from elasticrl.weights import receive, shm, slices  # noqa: E402
 from elasticrl.weights.group import new_group  # noqa: E402
 from elasticrl.weights.plan import Arena  # noqa: E402
+from elasticrl.weights.transports.broadcast import Outbox, receive_sliced  # noqa: E402
+from elasticrl.weights.transports.ipc import SharedOutbox  # noqa: E402
+from elasticrl.weights.transports.shm import write_piece  # noqa: E402
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -128,7 +131,7 @@ def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
     group = None
     if args.transport == "p2p":
         group = new_group("127.0.0.1", port, rank, args.senders + args.receivers, backend_name(args), 300)
-        boxes = [slices.Outbox(group, args.senders + w, pieces[w][rank], bucket, device)
+        boxes = [Outbox(group, args.senders + w, pieces[w][rank], bucket, device)
                  for w in range(args.receivers)]
         group.barrier().wait()
     elif args.transport == "ipc":  # the sender's buffers, a message per bucket, as Ray carries them
@@ -138,7 +141,7 @@ def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
             inboxes[worker].put((sender, slot, handle, bucket_, counts))
             return worker
 
-        boxes = [slices.SharedOutbox(load, rank, w, pieces[w][rank], bucket, device,
+        boxes = [SharedOutbox(load, rank, w, pieces[w][rank], bucket, device,
                                      wait=lambda worker, k=rank: acks[k][worker].get(timeout=300))
                  for w in range(args.receivers)]
         results.put(("ready", rank, 0, 0.0))
@@ -154,7 +157,7 @@ def _sender(rank: int, args, port: int, arenas_info, queues, results) -> None:
             for w in range(args.receivers):
                 for piece in pieces[w][rank]:
                     if piece.name == name:
-                        sent += slices.write_piece(arenas[w], piece, t) if args.transport == "arena" else \
+                        sent += write_piece(arenas[w], piece, t) if args.transport == "arena" else \
                             boxes[w].put(piece, t, delta)
         if args.transport == "ipc":
             for box in boxes:
@@ -186,10 +189,10 @@ def _receiver(rank: int, args, port: int, arena_queue, queues, results) -> None:
                                         args.bucket_mb * 2**20)
         group.barrier().wait()
         for _ in range(2 if args.delta else 1):
-            receive.receive_sliced(group, params, schedule, delta=args.delta)
+            receive_sliced(group, params, schedule, delta=args.delta)
         backend.synchronize()
         group.barrier().wait()
-    elif args.transport == "ipc":  # what the engine's worker does (worker_ext.erl_load_pieces)
+    elif args.transport == "ipc":  # what the engine's worker does (transports/ipc.py's Receiver.load_pieces)
         inboxes, acks = queues
         mapped, done = {}, 0
         while done < args.senders:

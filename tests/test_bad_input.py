@@ -107,6 +107,10 @@ CASES = [
     ("field-typo", [], ["run", GRPO, "--set", "trian.lr=1"], 2, "trian: unknown field; did you mean 'train'?"),
     ("nested-typo", [], ["run", GRPO, "--set", "train.lrr=1"], 2, "train.lrr: unknown field; did you mean 'lr'?"),
     ("algorithm-typo", [], ["run", GRPO, "--set", "algorithm=grop"], 2, "did you mean 'grpo'?"),
+    # the transports are the modules of elasticrl/weights/transports (a new one is a new module)
+    ("transport-typo", [], ["run", GRPO, "--set", "rollout.weight_sync=broadcst"], 2,
+     "rollout.weight_sync: unknown transport 'broadcst' (did you mean 'broadcast'?); choose auto or one of "
+     "broadcast, files, ipc, shm, shm_staged"),
     ("lr-nan", [], ["run", GRPO, "--set", "train.lr=.nan"], 2, "train.lr: expected a finite number > 0, got nan"),
     ("lr-inf", [], ["run", GRPO, "--set", "train.lr=.inf"], 2, "train.lr: expected a finite number"),
     ("lr-negative", [], ["run", GRPO, "--set", "train.lr=-1e-3"], 2, "train.lr: expected a number > 0"),

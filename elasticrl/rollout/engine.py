@@ -160,48 +160,15 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         self.gate.finish(version)
 
-    def load_shm(self, path: str, nbytes: int, metas: list, adapter: dict | None = None) -> int:
-        """A staged bucket of weights, or (``adapter``: its peft config) the adapter's tensors.
-        The sender has two in flight (one per staging buffer)."""
-        return self._rpc("erl_load_shm", args=(path, nbytes, metas, adapter))[0]
-
     def copy_plans(self) -> list[dict]:
         """Per worker, in tensor-parallel rank order: where each checkpoint tensor lands in it.
         Every trainer rank asks at once: the first records them, the others get them."""
         return self._rpc("erl_copy_plans", args=(self.model_path,))
 
-    def share_weights(self) -> list[dict]:
-        """Per worker: its parameters in one buffer a process on this node can map (shm or ipc)."""
-        return self._rpc("erl_share_weights")
-
-    def expect(self, schedules: dict) -> None:
-        """What each worker receives from which sender at every sliced broadcast sync."""
-        self._rpc("erl_expect", args=(schedules,))
-
-    def load_pieces(self, worker: int, sender: int, slot: int, handle: list, bucket: list,
-                    counts: list | None = None) -> int:
-        """One bucket of a sliced ``ipc`` sync into worker ``worker`` (senders take turns)."""
-        return sum(self._rpc("erl_load_pieces", args=(worker, sender, slot, handle, bucket, counts)))
-
-    def receive(self, delta: bool = False) -> int:
-        """One sliced broadcast sync: every worker takes its buckets from its senders."""
-        return sum(self._rpc("erl_receive", args=(delta,)))
-
-    def release_shm(self, path: str) -> None:
-        self._rpc("erl_release_shm", args=(path,))
-
-    def join_group(self, addr: str, port: int, rank_offset: int, world_size: int, backend_name: str,
-                   timeout_s: int) -> None:
-        self._rpc("erl_join_group", args=(addr, port, rank_offset, world_size, backend_name, timeout_s))
-
-    def load_broadcast(self, metas: list, nbytes: int, adapter: dict | None = None) -> int:
-        return self._rpc("erl_load_broadcast", args=(metas, nbytes, adapter))[0]
-
-    def leave_group(self) -> None:
-        self._rpc("erl_leave_group")
-
-    def load_files(self, folder: str, adapter: dict | None = None) -> int:
-        return self._rpc("erl_load_files", args=(folder, adapter))[0]
+    def weights(self, transport: str, method: str, *args) -> list:
+        """``method`` of every worker's receiver of ``transport`` (``weights.transports``): each
+        worker's answer, in tensor-parallel rank order."""
+        return self._rpc("erl_weights", args=(transport, method, args))
 
     def worker_weights(self, digest: bool = False) -> list[dict]:
         return self._rpc("erl_state_dict", args=(digest,))

@@ -2,8 +2,7 @@
 
 Only for machines where vLLM cannot be installed (``rollout.backend: hf``, or ``auto``
 without vLLM): it is several times slower, batches without paging, and receives weights
-through the staged transports (shm_staged, broadcast, files); direct shm needs vLLM's
-loaders and falls back to staged here.
+whole (shm_staged, broadcast and files; shm stages too): writing slices needs vLLM's loaders' copy plans.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 from elasticrl import backend
 from elasticrl.rollout.engine import SAMPLING_KEYS, SyncGate
 from elasticrl.rollout.sample import Sample
-from elasticrl.weights import receive
+from elasticrl.weights import receive, transports
 
 
 class HFRolloutEngine:
@@ -37,8 +36,6 @@ class HFRolloutEngine:
         self.max_model_len = max_model_len
         self.seed = seed
         self.gate = SyncGate()
-        self._buffers: dict = {}
-        self._group = None
         self.start_seconds = time.time() - t0
 
     def info(self) -> dict:
@@ -115,15 +112,27 @@ class HFRolloutEngine:
             return out
         return self.gate.run(run)
 
-    # --- weights: the staged transports ----------------------------------------------------
-    def _load(self, weights, adapter: dict | None = None) -> int:
-        if adapter is not None:
+    # --- weights: the transports' receivers, this actor as their one worker -------------
+    def erl_land(self, weights, message: dict) -> int:
+        if message["kind"] == "adapter":
             raise ValueError("weight sync: the transformers engine takes merged weights, not adapters")
         for name, t in weights:
             if name not in self.params:
                 raise ValueError(f"weight sync: {name!r} is not a parameter of the rollout model")
             self.params[name].data.copy_(t)
         return receive.nbytes_of(weights)
+
+    def erl_params(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def erl_plans(self) -> None:
+        return None  # nothing plans where transformers' parameters take a tensor: whole tensors only
+
+    def erl_rank(self) -> int:
+        return 0
+
+    def erl_device(self) -> torch.device:
+        return backend.current_device()
 
     def begin_sync(self) -> int:
         self.gate.begin()
@@ -135,27 +144,9 @@ class HFRolloutEngine:
     def copy_plans(self) -> list[dict]:
         return [{"plans": {}, "unplanned": ["(transformers engine)"]}]
 
-    def load_shm(self, path: str, nbytes: int, metas: list, adapter: dict | None = None) -> int:
-        return self._load(receive.from_shm(self._buffers, path, nbytes, metas), adapter)
-
-    def release_shm(self, path: str) -> None:
-        self._buffers.pop(path, None)
-
-    def join_group(self, addr, port, rank_offset, world_size, backend_name, timeout_s) -> None:
-        from elasticrl.weights.group import new_group
-
-        self._group = new_group(addr, port, rank_offset, world_size, backend_name, timeout_s)
-
-    def load_broadcast(self, metas: list, nbytes: int, adapter: dict | None = None) -> int:
-        return self._load(receive.from_broadcast(self._group, metas, nbytes, backend.current_device()), adapter)
-
-    def leave_group(self) -> None:
-        self._group = None
-
-    def load_files(self, folder: str, adapter: dict | None = None) -> int:
-        from elasticrl.weights.shards import iter_tensors
-
-        return self._load(list(iter_tensors(folder)), adapter)
+    def weights(self, transport: str, method: str, *args) -> list:
+        """As the vLLM engine's: this actor is its only worker."""
+        return [transports.receiver(self, transport, method, args)]
 
     def sleep(self) -> dict:
         return {"slept": "kept", "seconds": 0.0}
@@ -164,4 +155,4 @@ class HFRolloutEngine:
         return {"seconds": 0.0}
 
     def shutdown(self) -> None:
-        self._buffers = {}
+        transports.release_receivers(self)

@@ -165,12 +165,12 @@ class RolloutSpec:
         "vLLM's CPU build cannot sleep: 'keep' leaves the engine resident during training, "
         "'restart' shuts it down and starts it again (the next weight sync restores the weights).",
         "keep")
-    weight_sync: Literal["auto", "shm", "ipc", "shm_staged", "broadcast", "files"] = doc(
-        "Transport of weights into the engines: 'shm' (CPU) and 'ipc' (CUDA IPC) write straight into "
-        "same-node engines' parameters, 'broadcast' sends buckets over a gloo/NCCL group, all three "
-        "slice to slice (each trainer rank sends its AutoTP slice, replicas feed different engines); "
-        "'shm_staged' goes through staging buffers, 'files' sharded safetensors; 'auto' picks shm on "
-        "one CPU node, ipc on one GPU node, else broadcast.", "auto")
+    weight_sync: str = doc(
+        "Transport of weights into the engines, a module of elasticrl/weights/transports: 'shm' (CPU) and "
+        "'ipc' (CUDA IPC) write straight into same-node engines' parameters, 'broadcast' sends buckets over "
+        "a gloo/NCCL group, all three slice to slice (each trainer rank sends its AutoTP slice, replicas "
+        "feed different engines); 'shm_staged' goes through staging buffers, 'files' sharded safetensors; "
+        "'auto' picks shm on one CPU node, ipc on one GPU node, else broadcast.", "auto")
     lora_sync: Literal["auto", "adapter", "merged"] = doc(
         "With model.lora: 'adapter' sends only the adapters each sync and vLLM engines serve them as LoRA "
         "(their base weights stay as loaded); 'merged' sends full weights with the adapters merged in "

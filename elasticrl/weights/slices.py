@@ -217,16 +217,6 @@ def source_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.as_strided(piece.shape, piece.src_strides, t.storage_offset() + piece.src_off)
 
 
-def write_piece(arena, piece: Piece, t: torch.Tensor) -> int:
-    """Copy a piece straight into a worker's parameters mapped here (``plan.Arena``)."""
-    dst = arena.view(piece.param, piece.dst_off, piece.shape, piece.dst_strides, piece.dtype)
-    if piece.fill is not None:
-        dst.fill_(piece.fill)
-        return 0
-    dst.copy_(source_view(t, piece))
-    return piece.nbytes
-
-
 class Delta:
     """Delta weight sync: send only the elements of a tensor whose value, cast to the engine's
     dtype, differs bit for bit from what this sender last sent that target (``held``: one copy
@@ -337,42 +327,6 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(2, torch.get_num_threads()), thread_name_prefix="delta")
 
 
-DELTA_KEYS = (":delta.index", ":delta.values", ":delta.shape")  # a delta's tensors in a file, after its name
-
-
-def file_delta(delta: Delta, held: dict, name: str, t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """A full tensor as a file holds it for a delta sync (``files``): whole, or as the flat
-    indices, values and full shape of its change (``replay_delta`` applies them)."""
-    out = torch.empty(t.numel() * _itemsize(dtype), dtype=torch.uint8, device=t.device)
-    count, nbytes = delta.pack(held, name, t, _dtype(dtype), out)
-    if count < 0:
-        return {name: out.view(_dtype(dtype)).view(t.shape).cpu()}
-    index, values, shape = (name + k for k in DELTA_KEYS)
-    return {index: out[:4 * count].view(torch.int32).cpu(), values: out[4 * count: nbytes].view(_dtype(dtype)).cpu(),
-            shape: torch.tensor(t.shape, dtype=torch.int64)}
-
-
-def replay_delta(plans: list[Copy], index: torch.Tensor, values: torch.Tensor, full_shape, view) -> None:
-    """Apply a change of a full tensor (flat ``index``, ``values``) to a worker's parameters
-    through the tensor's copy plans, each a box of the full tensor (``sliceable``).
-    ``view(param, byte offset, shape, strides)``: that part of a parameter."""
-    full_shape = tuple(int(n) for n in full_shape)
-    at = None
-    for kind, param, dst_off, dst_shape, dst_strides, _, src_off, src_shape, src_strides in plans:
-        if kind == "fill":
-            continue  # constants (padding) no sync changes
-        box = view_box(full_shape, int(src_off), src_shape, src_strides)
-        dst = view(param, dst_off, dst_shape, dst_strides)
-        if all(lo == 0 and hi == n for (lo, hi), n in zip(box, full_shape)) and dst.is_contiguous():
-            dst.view(-1).index_copy_(0, index.long(), values.to(dst.dtype))  # the whole tensor, as it lies
-            continue
-        if at is None:
-            at = torch.stack(torch.unravel_index(index.long(), full_shape), 1)
-        lo, hi = (torch.tensor([b[k] for b in box]) for k in (0, 1))
-        inside = ((at >= lo) & (at < hi)).all(1)
-        dst.index_put_(tuple((at[inside] - lo).T), values[inside].to(dst.dtype))
-
-
 def packed_nbytes(t: torch.Tensor, count: int) -> int:
     """The bytes ``Delta.pack`` writes for ``t`` with this count."""
     return _packed(t.numel(), t.element_size(), count)
@@ -383,7 +337,7 @@ def _packed(numel: int, itemsize: int, count: int) -> int:
 
 
 def packed_bucket_nbytes(bucket: list[tuple[Piece, int]], counts: list[int]) -> int:
-    """The bytes of a bucket packed with these counts (``_Buckets``)."""
+    """The bytes of a bucket packed with these counts (``Buckets``)."""
     offset = 0
     for (piece, _), count in zip(bucket, counts):
         offset = _aligned(offset + _packed(piece.nbytes // _itemsize(piece.dtype), _itemsize(piece.dtype), count))
@@ -405,7 +359,7 @@ def unpack(dst: torch.Tensor, buf: torch.Tensor, count: int) -> int:
     return nbytes
 
 
-class _Buckets:
+class Buckets:
     """A sender's buckets for one worker, filled piece by piece as the tensors come, in the order
     the worker expects them (``receive_order``): each piece at its fixed place, or, with a
     ``Delta``, packed one after another with a count each (``Delta.pack``)."""
@@ -416,7 +370,7 @@ class _Buckets:
         self.held: dict = {}  # delta: what this worker got from here last, per piece
         self.cursor, self.counts = 0, []
 
-    def _pack(self, buf: torch.Tensor, piece: Piece, t: torch.Tensor, delta: "Delta | None"):
+    def pack(self, buf: torch.Tensor, piece: Piece, t: torch.Tensor, delta: "Delta | None"):
         """Put a piece in ``buf``; its bucket (bytes and counts) when the piece ends one, else None."""
         offset, bucket = self.where[id(piece)]
         src = source_view(t, piece)
@@ -438,87 +392,15 @@ class _Buckets:
         self.held, self.cursor, self.counts = {}, 0, []
 
 
-class Outbox(_Buckets):
-    """One sender's buckets for one worker, sent point to point when full (with a ``Delta``:
-    the counts first, then the packed bytes)."""
-
-    def __init__(self, group, dst: int, pieces: list[Piece], bucket_bytes: int, device):
-        super().__init__(pieces, bucket_bytes)
-        self.group, self.dst = group, dst
-        self.buf = torch.empty(self.size, dtype=torch.uint8, device=device)
-
-    def put(self, piece: Piece, t: torch.Tensor, delta: "Delta | None" = None) -> int:
-        """The bytes sent (a delta's counts included)."""
-        if piece.fill is not None:
-            return 0  # the worker applies constants itself
-        done = self._pack(self.buf, piece, t, delta)
-        if done is None:
-            return piece.nbytes if delta is None else 0
-        nbytes, counts = done
-        if counts is not None:
-            self.group.send([torch.tensor(counts, dtype=torch.int64, device=self.buf.device)], self.dst, 0).wait()
-        if nbytes:
-            self.group.send([self.buf[:nbytes]], self.dst, 0).wait()
-        return piece.nbytes if counts is None else nbytes + 8 * len(counts)
-
-
-class SharedOutbox(_Buckets):
-    """One sender's buckets for one worker, handed over through two shared buffers in turn (CUDA
-    IPC on a GPU, /dev/shm on CPU): the sender fills one while the worker copies out of the
-    other. ``load(worker, sender, slot, handle, bucket, counts)`` returns a Ray ref that is
-    ready once the worker copied that bucket out. The buffers are the sender's: vLLM's
-    sleep-mode memory cannot be exported over CUDA IPC, so the copies land in vLLM's own
-    parameters, and sleep and wake keep working."""
-
-    def __init__(self, load, sender: int, worker: int, pieces: list[Piece], bucket_bytes: int, device, wait=None):
-        """``wait(ref)``: block until the worker is done with a bucket (default ``ray.get``)."""
-        from elasticrl.weights import shm
-
-        super().__init__(pieces, bucket_bytes)
-        self.load, self.sender, self.worker = load, sender, worker
-        self.wait = wait or _ray_get
-        self.buffers = [shm.share(max(self.size, 1), device) for _ in range(2)]
-        self.turn, self.pending = 0, [None, None]
-
-    def put(self, piece: Piece, t: torch.Tensor, delta: "Delta | None" = None) -> int:
-        from elasticrl import backend
-
-        if piece.fill is not None:
-            return 0  # constants: the padding the engine zeroed at load, which no sync writes
-        if self.pending[self.turn] is not None:  # the worker is done with this buffer's last bucket
-            self.wait(self.pending[self.turn])
-            self.pending[self.turn] = None
-        handle, buf = self.buffers[self.turn]
-        done = self._pack(buf, piece, t, delta)
-        if done is None:
-            return piece.nbytes if delta is None else 0
-        nbytes, counts = done
-        backend.synchronize()  # the bytes are in before the worker reads them
-        bucket = self.where[id(piece)][1]
-        self.pending[self.turn] = self.load(self.worker, self.sender, self.turn, handle, bucket, counts)
-        self.turn = 1 - self.turn
-        return piece.nbytes if counts is None else nbytes
-
-    def finish(self) -> None:
-        for ref in self.pending:
-            if ref is not None:
-                self.wait(ref)
-        self.pending = [None, None]
-
-    def close(self) -> None:
-        from elasticrl.weights import shm
-
-        for handle, _ in self.buffers:
-            shm.unshare(handle)
+def unsliceable(plans: list[dict], layouts: dict) -> str | None:
+    """Why engine workers' copy ``plans`` do not all read boxes of the full tensors (None: they do)."""
+    unplanned = sorted({n for w in plans for n in w["unplanned"]})
+    if unplanned:
+        return f"vLLM transforms {unplanned[:5]} while loading"
+    return next((why for w in plans if (why := sliceable(w["plans"], layouts))), None)
 
 
 def _dtype(name: str) -> torch.dtype:
     from elasticrl.weights.shm import DTYPES
 
     return DTYPES[name]
-
-
-def _ray_get(ref):
-    import ray
-
-    return ray.get(ref)

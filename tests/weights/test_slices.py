@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from elasticrl.weights.plan import Arena, replay
-from elasticrl.weights.slices import Layout, assign, buckets, receive_order, view_box, worker_pieces, write_piece
+from elasticrl.weights.slices import Layout, assign, buckets, receive_order, view_box, worker_pieces
+from elasticrl.weights.transports.shm import write_piece
 
 
 def test_a_narrow_view_is_a_box_and_a_transpose_is_not():
@@ -175,7 +176,8 @@ def test_a_file_delta_lands_through_the_copy_plans_in_the_fused_and_sliced_param
     """A 4 x 3 tensor whose rows 0-1 and 2-3 land in two parameters (as a TP 2 slice, or q and k
     into one fused qkv): a change at (1, 2) and (2, 0) lands at (1, 2) of the first and (0, 0)
     of the second; the first plan's padding fill is left alone."""
-    from elasticrl.weights.slices import DELTA_KEYS, Delta, file_delta, replay_delta
+    from elasticrl.weights.slices import Delta
+    from elasticrl.weights.transports.files import DELTA_KEYS, file_delta, replay_delta
 
     full = torch.arange(12, dtype=torch.float32).view(4, 3)
     held, delta = {}, Delta()
