@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16, help="adapter rank (lora)")
     ap.add_argument("--lrs", default="1e-6,8e-5", help="learning rates (delta; 8e-5: examples/tiny_grpo.yaml's)")
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per learning rate (delta)")
+    ap.add_argument("--cpu-mode", default="auto", choices=("auto", "dense", "packed"),
+                    help="rollout.cpu_mode of the engine (delta; packed repacks every linear after a sync)")
     args = ap.parse_args()
     if args.suite == "senders":
         return senders(args)
@@ -273,7 +275,8 @@ def delta(args) -> None:
         for lr in (float(x) for x in args.lrs.split(",")):
             spec = load_spec({}, [f"world.model_size={args.size}", "model.dtype=bf16", "train.num_ranks=1",
                                   "train.micro_batch_size=8", "train.global_batch_size=8", f"train.lr={lr}",
-                                  "train.warmup_ratio=0", "rollout.max_model_len=64", "rollout.delta_sync=true"])
+                                  "train.warmup_ratio=0", "rollout.max_model_len=64", "rollout.delta_sync=true",
+                                  f"rollout.cpu_mode={args.cpu_mode}"])
             paths = resolve_paths(spec)
             pool = RolloutPool(paths["model"], spec.rollout, "bf16", seed=0)
             trainer = RoleGroup("trainer", SFTWorker, 1, spec_to_dict(spec), paths)
@@ -295,7 +298,8 @@ def delta(args) -> None:
             trainer.shutdown()
             pool.shutdown()
             results += [{"lr": lr, "transport": t, **_delta_row(rows[t])} for t in transports]
-    print(json.dumps({"benchmark": "weight_sync_delta", "size": args.size, "results": results}))
+    print(json.dumps({"benchmark": "weight_sync_delta", "size": args.size, "cpu_mode": args.cpu_mode,
+                      "results": results}))
 
 
 if __name__ == "__main__":

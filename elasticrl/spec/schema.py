@@ -178,14 +178,14 @@ class RolloutSpec:
         "takes them merged). 'auto': adapter on GPUs, merged on CPU engines (vLLM's CPU LoRA kernels "
         "generated 2.3x slower than merged weights, benchmarks/weight_sync.py --suite lora).", "auto")
     bucket_mb: int = doc("Bytes per weight-sync bucket, in MiB (one collective or load per bucket).", 64, min=1)
-    delta_sync: bool = doc("Send only the elements that changed, compared bit for bit in the engines' dtype with "
-                           "what this sender last sent (a copy of what each trainer rank sends, kept where its "
-                           "weights live; the first sync after a start, a restart or a failed sync goes whole), "
-                           "where bytes cost more than finding them: over broadcast (sliced), files, and ipc "
-                           "between GPUs. shm and a CPU's ipc are one node's memory copies, cheaper than the "
-                           "comparison: they sync whole, as do gathered broadcast and shm_staged. A tensor whose "
-                           "change would take as many bytes as itself goes whole; sync/delta_fraction tells the "
-                           "share.", False)
+    delta_sync: bool = doc("Send only the 8-byte words of weights that changed, compared bit for bit in the "
+                           "engines' dtype with what this sender last sent (a copy of what each trainer rank sends, "
+                           "kept where its weights live; the first sync after a start, a restart or a failed sync "
+                           "goes whole), where bytes cost more than finding them: over broadcast (sliced), files, "
+                           "and ipc between GPUs. shm and a CPU's ipc are one node's memory copies, cheaper than "
+                           "the comparison: they sync whole, as do gathered broadcast and shm_staged. A tensor "
+                           "whose change would take as many bytes as itself goes whole; sync/delta_fraction tells "
+                           "the share of elements sent as changed.", False)
     max_restarts: int = doc("Engines the job may start again after one died or hung (elasticity L2: its "
                             "prompts go to the live engines, a replacement joins at a step boundary).", 3, min=0)
     hang_factor: float = doc("An engine that takes longer on its prompts than this many times (1 s + the time "

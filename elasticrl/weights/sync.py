@@ -16,11 +16,11 @@ side by side: shm, ipc, shm_staged, broadcast, files); ``transports.choose`` pic
 the two sides live. What a sync carries is a ``transports.Payload``:
 
 - the weights whole;
-- a delta (``rollout.delta_sync``): only the elements that changed (``slices.Delta``), where
-  the transport says bytes cost more than finding them (``Transport.delta_pays``: sliced
+- a delta (``rollout.delta_sync``): only the words of elements that changed (``slices.Delta``),
+  where the transport says bytes cost more than finding them (``Transport.delta_pays``: sliced
   broadcast, ipc between GPUs, files). ``shm`` and a CPU's ``ipc`` are memory copies on one
-  node, which finding the changed elements costs more than (reading both copies: 29 ms
-  against a 9 ms copy for the 50m model's 88 MB, one thread): they send whole;
+  node, which finding the changes costs more than (reading both copies: about 25 ms against a
+  9 ms copy for the 50m model's 88 MB, one thread): they send whole;
 - an adapter: a LoRA-trained policy's adapters alone, gathered to rank 0, to engines that serve
   them (``rollout.lora_sync: adapter``); otherwise the adapters go merged into the base
   weights, under the base's names, as any weights.
@@ -57,7 +57,7 @@ class WeightSender:
     def __init__(self, ds_engine, engines: list, engine_infos: list[dict], transport: str, bucket_bytes: int,
                  timeout_s: int, files_dir: str | None = None, layout: str = "auto", adapters: bool = False,
                  delta: bool = False):
-        """``delta``: send only the elements that changed where the transport says it pays."""
+        """``delta``: send only what changed where the transport says it pays."""
         self.engines = engines
         self.adapters = _peft_config(ds_engine) if adapters else None
         self.infos = engine_infos
@@ -156,7 +156,8 @@ class WeightSender:
         try:
             sent = self.via.send_sliced(iter_local_params(ds_engine), self._mine(), payload) if self.sliced \
                 else self._sync_gathered(ds_engine, payload)
-        except Exception as exc:  # noqa: BLE001 - raised by _agree, on every rank
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            log.error("weight sync (%s) failed on trainer rank %d: %s", self.transport, self.rank, exc, exc_info=True)
             error = exc
         counts = (payload.delta.changed, payload.delta.total) if payload.delta else (0, 0)
         by_rank = [_ints([0, 0, 0]) for _ in range(self.world)]

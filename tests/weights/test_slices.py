@@ -117,19 +117,21 @@ def test_engines_go_to_replicas_biggest_first_balancing_bytes():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn])
-def test_changed_elements_match_an_element_by_element_comparison_across_chunks_words_and_offsets(monkeypatch, dtype):
-    """Word by word and chunk by chunk (chunks of 64 bytes here, so a tensor spans many), on
-    ragged sizes, views that start off a word's boundary, sign-only changes (-0.0) and NaNs:
-    the indices are exactly those an element-wise bit comparison finds, ``old`` ends equal to
-    ``new`` bit for bit, and past the limit the answer is None with ``old`` whole all the same."""
+def test_changed_units_match_a_unit_by_unit_comparison_across_chunks_and_sizes(monkeypatch, dtype):
+    """Chunk by chunk (chunks of 64 bytes here, so a tensor spans many), on ragged sizes (whole
+    8-byte words where the size allows, else single elements), sign-only changes (-0.0) and
+    NaNs: the indices are exactly those a unit-wise bit comparison finds, the values those
+    units' elements, ``old`` ends equal to ``new`` bit for bit, and past the limit the answer is
+    None with ``old`` whole all the same."""
     from elasticrl.weights import slices
 
     monkeypatch.setattr(slices, "CHUNK_BYTES", 64)
-    bits = slices.BITS[torch.empty(0, dtype=dtype).element_size()]
+    size = torch.empty(0, dtype=dtype).element_size()
     g = torch.Generator().manual_seed(0)
-    for numel, offset in [(1, 0), (7, 0), (64, 0), (1001, 0), (1001, 3), (4096, 1)]:
-        base = torch.randn(numel + offset, generator=g).to(dtype)
-        old = base[offset:]  # a view off the word boundary when offset > 0
+    for numel in (1, 7, 64, 1001, 4096):
+        k = slices.unit(numel, size)
+        assert k == (8 // size if numel % (8 // size) == 0 else 1)
+        old = torch.randn(numel, generator=g).to(dtype)
         new = old.clone()
         flip = torch.randperm(numel, generator=g)[: max(1, numel // 50)]
         new[flip] = torch.randn(len(flip), generator=g).to(dtype)
@@ -137,62 +139,96 @@ def test_changed_elements_match_an_element_by_element_comparison_across_chunks_w
             new[flip[:1]] = -old[flip[:1]]  # a change of sign alone
         if dtype.is_floating_point and numel > 3 and dtype != torch.float8_e4m3fn:
             new[2] = float("nan")
+        bits = slices.BITS[size * k]
         expected = (new.view(bits) != old.view(bits)).nonzero().view(-1)
-        index, values = slices.changed_elements(new, old, numel)
-        assert index.dtype == torch.int32 and torch.equal(index.long(), expected), (numel, offset)
+        index, values = slices.changed_units(new, old, numel)
+        assert index.dtype == torch.int32 and torch.equal(index.long(), expected), numel
         assert torch.equal(values.view(bits), new.view(bits)[expected])
         assert torch.equal(old.view(bits), new.view(bits))
         if len(expected) > 1:  # the same change, now past a limit below its size
             old.zero_()
             again = (new.view(bits) != old.view(bits)).sum().item()
-            assert slices.changed_elements(new, old, again - 1) is None
+            assert slices.changed_units(new, old, again - 1) is None
             assert torch.equal(old.view(bits), new.view(bits))
 
 
-def test_a_packed_delta_sends_the_changed_elements_against_what_was_sent_last():
+def test_a_packed_delta_sends_the_changed_words_against_what_was_sent_last():
     """What a sender sends where it cannot read the engine (broadcast, ipc, files): the first time
-    whole (count -1, 24 bf16 = 48 bytes); then, against what it sent, 2 changed elements as
-    flat int32 indices [7, 20] then bf16 values (2 x 6 = 12 bytes); a receiver's strided view
-    (a transposed bf16 parameter) ends equal to the source cast, bit for bit."""
+    whole (count -1, 24 bf16 = 48 bytes); then, against what it sent, the 2 words (4 bf16 each)
+    holding the changed elements 7 and 20, as int32 word indices [1, 5] then the words' 8
+    values (2 x 12 = 24 bytes); receivers' strided (a transposed parameter), contiguous and
+    off-word views end equal to the source cast, bit for bit. A source that starts off a
+    word is compared from an aligned copy."""
     from elasticrl.weights.slices import Delta, unpack
 
     src, held, delta = torch.zeros(4, 6), {}, Delta()
     src[0, 0] = 3.0
     out = torch.zeros(64, dtype=torch.uint8)
     param = torch.full((6, 4), 9.0, dtype=torch.bfloat16)
+    flat = torch.full((25,), 9.0, dtype=torch.bfloat16)  # [1:] starts off a word
     assert delta.pack(held, "w", src, torch.bfloat16, out) == (-1, 48)
-    assert unpack(param.t(), out, -1) == 48 and torch.equal(param.t(), src.to(torch.bfloat16))
+    for dst in (param.t(), flat[1:].view(4, 6)):
+        assert unpack(dst, out, -1) == 48 and torch.equal(dst, src.to(torch.bfloat16))
     src[1, 1], src[3, 2] = 0.5, -0.0  # flat 1 * 6 + 1 = 7 and 3 * 6 + 2 = 20
     out.zero_()
-    assert delta.pack(held, "w", src, torch.bfloat16, out) == (2, 12)
-    assert out[:8].view(torch.int32).tolist() == [7, 20] and out[8:12].view(torch.bfloat16).tolist() == [0.5, -0.0]
-    assert (delta.changed, delta.total) == (24 + 2, 48)
-    assert unpack(param.t(), out, 2) == 12
-    assert torch.equal(param.t().view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert delta.pack(held, "w", src, torch.bfloat16, out) == (2, 24)
+    cast = src.to(torch.bfloat16).view(-1)
+    assert out[:8].view(torch.int32).tolist() == [1, 5]
+    assert torch.equal(out[8:24].view(torch.int16), torch.cat([cast[4:8], cast[20:24]]).view(torch.int16))
+    assert (delta.changed, delta.total) == (24 + 8, 48)
+    words = torch.full((4, 6), 9.0, dtype=torch.bfloat16)
+    for dst in (param.t(), flat[1:].view(4, 6), words):
+        if dst is words:  # a contiguous worker view on a word: written word by word
+            dst.view(-1)[4:8], dst.view(-1)[20:24] = 1.0, 1.0
+            dst.view(-1)[:4], dst.view(-1)[8:20] = cast[:4], cast[8:20]
+        assert unpack(dst, out, 2) == 24
+        assert torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(held["w"], src.to(torch.bfloat16))
+    odd = torch.arange(13, dtype=torch.float32)[1:].view(3, 4)  # a trainer slice off a word
+    held, out = {}, torch.zeros(96, dtype=torch.uint8)
+    delta.pack(held, "odd", odd, torch.bfloat16, out)
+    moved = odd.clone()
+    moved[2, 3] = -5.0
+    assert delta.pack(held, "odd", moved, torch.bfloat16, out) == (1, 16)  # word 2 of 3; its index padded to 8 bytes
+    assert out[:4].view(torch.int32).tolist() == [2]
 
 
 def test_a_file_delta_lands_through_the_copy_plans_in_the_fused_and_sliced_parameters():
     """A 4 x 3 tensor whose rows 0-1 and 2-3 land in two parameters (as a TP 2 slice, or q and k
-    into one fused qkv): a change at (1, 2) and (2, 0) lands at (1, 2) of the first and (0, 0)
-    of the second; the first plan's padding fill is left alone."""
+    into one fused qkv): a change at (1, 2) and (2, 0) goes as the two words (of 2 fp32) that hold
+    them, which land at (1, 1)-(1, 2) of the first and (0, 0)-(0, 1) of the second, the unchanged
+    elements with their own values; the first plan's padding fill is left alone; a third
+    parameter taking columns 1-2 (a box that is not one run of the tensor) gets its part of the
+    same words element by element."""
     from elasticrl.weights.slices import Delta
     from elasticrl.weights.transports.files import DELTA_KEYS, file_delta, replay_delta
 
     full = torch.arange(12, dtype=torch.float32).view(4, 3)
     held, delta = {}, Delta()
     assert set(file_delta(delta, held, "w", full, "float32")) == {"w"}
-    params = [torch.zeros(3, 3), torch.zeros(2, 3)]
+    params = [torch.zeros(3, 3), torch.zeros(2, 3), torch.zeros(4, 2)]
     plans = [("copy", 0, 0, [2, 3], [3, 1], "float32", 0, [2, 3], [3, 1]),
              ("fill", 0, 24, [1, 3], [3, 1], "float32", 0.0, [], []),
-             ("copy", 1, 0, [2, 3], [3, 1], "float32", 6, [2, 3], [3, 1])]
+             ("copy", 1, 0, [2, 3], [3, 1], "float32", 6, [2, 3], [3, 1]),
+             ("copy", 2, 0, [4, 2], [2, 1], "float32", 1, [4, 2], [3, 1])]  # columns 1-2: element by element
     new = full.clone()
     new[1, 2], new[2, 0] = -1.0, -2.0
     sent = file_delta(delta, held, "w", new, "float32")
-    assert sent["w" + DELTA_KEYS[0]].tolist() == [5, 6] and sent["w" + DELTA_KEYS[1]].tolist() == [-1.0, -2.0]
+    # the words (2 fp32 each) holding (1, 2) and (2, 0): elements 4-5 and 6-7
+    assert sent["w" + DELTA_KEYS[0]].tolist() == [2, 3] and sent["w" + DELTA_KEYS[1]].tolist() == [4.0, -1.0, -2.0, 7.0]
 
     def view(param, offset, shape, strides):
         return params[param].as_strided(shape, strides, offset // 4)
     replay_delta(plans, *(sent["w" + k] for k in DELTA_KEYS), view)
-    assert params[0].tolist() == [[0, 0, 0], [0, 0, -1.0], [0, 0, 0]]
-    assert params[1].tolist() == [[-2.0, 0, 0], [0, 0, 0]]
+    assert params[0].tolist() == [[0, 0, 0], [0, 4.0, -1.0], [0, 0, 0]]
+    assert params[1].tolist() == [[-2.0, 7.0, 0], [0, 0, 0]]
+    new[3, 2] = -3.0  # one word (an odd count: its index padded in the packing, not in the file)
+    sent = file_delta(delta, held, "w", new, "float32")
+    assert sent["w" + DELTA_KEYS[0]].tolist() == [5] and sent["w" + DELTA_KEYS[1]].tolist() == [10.0, -3.0]
+    replay_delta(plans, *(sent["w" + k] for k in DELTA_KEYS), view)
+    assert params[1].tolist() == [[-2.0, 7.0, 0], [0, 10.0, -3.0]]
+    assert params[2].tolist() == [[0, 0], [4.0, -1.0], [7.0, 0], [10.0, -3.0]]
+    sent = file_delta(delta, held, "w", new, "float32")  # nothing changed since: an empty delta
+    assert sent["w" + DELTA_KEYS[0]].numel() == 0 == sent["w" + DELTA_KEYS[1]].numel()
+    replay_delta(plans, *(sent["w" + k] for k in DELTA_KEYS), view)
+    assert params[2].tolist() == [[0, 0], [4.0, -1.0], [7.0, 0], [10.0, -3.0]]

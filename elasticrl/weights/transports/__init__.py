@@ -26,7 +26,7 @@ from typing import Any
 @dataclass
 class Payload:
     """What one sync carries: ``kind`` "full" (the weights, as the engines load them), "delta"
-    (only the elements that changed since the last sync, counted by ``delta``, a
+    (only the words that changed since the last sync, counted by ``delta``, a
     ``slices.Delta``) or "adapter" (a LoRA adapter's tensors, ``adapter`` its peft config,
     which the engines serve instead of loading them)."""
     kind: str = "full"

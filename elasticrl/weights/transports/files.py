@@ -14,7 +14,7 @@ import torch
 
 from elasticrl.weights import shm
 from elasticrl.weights.receive import part_of
-from elasticrl.weights.slices import Delta, unsliceable, view_box
+from elasticrl.weights.slices import Delta, element_index, index_bytes, put_units, unsliceable, view_box
 from elasticrl.weights.transports import Payload, ReceiverBase, Transport
 
 log = logging.getLogger(__name__)
@@ -81,44 +81,70 @@ class Receiver(ReceiverBase):
 
         tensors = dict(iter_tensors(folder))
         index_key, values_key, shape_key = DELTA_KEYS
-        for name in [n.removesuffix(index_key) for n in tensors if n.endswith(index_key)]:
-            plans = self.worker.erl_plans()
-            if plans is None:
-                raise RuntimeError(f"weight sync: a delta of {name!r} came to a worker without copy plans")
+        deltas = [n.removesuffix(index_key) for n in tensors if n.endswith(index_key)]
+        plans = self.worker.erl_plans() if deltas else None
+        if deltas and plans is None:
+            raise RuntimeError(f"weight sync: a delta of {deltas[0]!r} came to a worker without copy plans")
+        view = partial(part_of, self.worker.erl_params()) if deltas else None
+        for name in deltas:
             replay_delta(plans[name], tensors[name + index_key], tensors[name + values_key],
-                         tensors[name + shape_key], partial(part_of, self.worker.erl_params()))
+                         tensors[name + shape_key], view)
         return self.worker.erl_land([(n, t) for n, t in tensors.items() if not n.endswith(DELTA_KEYS)], message)
 
 
 def file_delta(delta: Delta, held: dict, name: str, t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """A full tensor as a file holds it for a delta sync: whole, or as the flat indices, values
-    and full shape of its change (``replay_delta`` applies them)."""
+    """A full tensor as a file holds it for a delta sync: whole, or as the flat unit indices,
+    values and full shape of its change (``slices.Delta``; ``replay_delta`` applies them)."""
     dt = shm.DTYPES[dtype]
     out = torch.empty(t.numel() * dt.itemsize, dtype=torch.uint8, device=t.device)
     count, nbytes = delta.pack(held, name, t, dt, out)
     if count < 0:
         return {name: out.view(dt).view(t.shape).cpu()}
     index, values, shape = (name + k for k in DELTA_KEYS)
-    return {index: out[:4 * count].view(torch.int32).cpu(), values: out[4 * count: nbytes].view(dt).cpu(),
+    return {index: out[:4 * count].view(torch.int32).cpu(), values: out[index_bytes(count): nbytes].view(dt).cpu(),
             shape: torch.tensor(t.shape, dtype=torch.int64)}
 
 
 def replay_delta(plans: list, index: torch.Tensor, values: torch.Tensor, full_shape, view) -> None:
-    """Apply a change of a full tensor (flat ``index``, ``values``) to a worker's parameters
-    through the tensor's copy plans, each a box of the full tensor (``slices.sliceable``).
-    ``view(param, byte offset, shape, strides)``: that part of a parameter."""
+    """Apply a change of a full tensor (flat unit ``index``, ``values``: ``slices.Delta``) to a
+    worker's parameters through the tensor's copy plans, each a box of the full tensor
+    (``slices.sliceable``): unit by unit where the box is one run of the full tensor (the whole
+    tensor; rows of it, as a fused q/k/v part or a row-parallel slice takes), else element by
+    element. ``view(param, byte offset, shape, strides)``: that part of a parameter."""
+    if not index.numel():
+        return  # nothing of this tensor changed
     full_shape = tuple(int(n) for n in full_shape)
+    k = values.numel() // index.numel()  # elements per unit
+    units = index.long()  # ascending (``slices.changed_units``)
     at = None
     for kind, param, dst_off, dst_shape, dst_strides, _, src_off, src_shape, src_strides in plans:
         if kind == "fill":
             continue  # constants (padding) no sync changes
         box = view_box(full_shape, int(src_off), src_shape, src_strides)
         dst = view(param, dst_off, dst_shape, dst_strides)
-        if all(lo == 0 and hi == n for (lo, hi), n in zip(box, full_shape)) and dst.is_contiguous():
-            dst.view(-1).index_copy_(0, index.long(), values.to(dst.dtype))  # the whole tensor, as it lies
+        run = _run(box, full_shape)
+        if run is not None and dst.is_contiguous() and run[0] % k == 0 and run[1] % k == 0:
+            a, b = torch.searchsorted(units, torch.tensor([run[0] // k, run[1] // k])).tolist()
+            put_units(dst, units[a:b] - run[0] // k, values[a * k: b * k].to(dst.dtype), k)
             continue
         if at is None:
-            at = torch.stack(torch.unravel_index(index.long(), full_shape), 1)
-        lo, hi = (torch.tensor([b[k] for b in box]) for k in (0, 1))
+            at = torch.stack(torch.unravel_index(element_index(index, k), full_shape), 1)
+        lo, hi = (torch.tensor([b[d] for b in box]) for d in (0, 1))
         inside = ((at >= lo) & (at < hi)).all(1)
         dst.index_put_(tuple((at[inside] - lo).T), values[inside].to(dst.dtype))
+
+
+def _run(box, full_shape) -> tuple[int, int] | None:
+    """(start, end) in the full tensor's flat elements where ``box`` is one contiguous run of it
+    (its dimensions whole after the first partial one, and of extent 1 before it), else None."""
+    partial = [d for d, ((lo, hi), n) in enumerate(zip(box, full_shape)) if (lo, hi) != (0, n)]
+    if len(partial) > 1 or partial and any(hi - lo != 1 for lo, hi in box[:partial[0]]):
+        return None
+    start, size = 0, 1
+    for (lo, hi), n in zip(reversed(box), reversed(full_shape)):
+        start += lo * size
+        size *= n
+    extent = 1
+    for lo, hi in box:
+        extent *= hi - lo
+    return start, start + extent
