@@ -71,6 +71,7 @@ def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
     raw = _drop(run, s, scores)
     kept = raw[scores.keep]
     correct = torch.tensor([float(full_marks(v)) for v in scores.verified])
+    s.info.update(length_stats([len(r.token_ids) if r.mask is None else sum(r.mask) for r in s.results]))
     s.info.update({"reward/mean": kept.mean().item() if len(kept) else 0.0,
               "reward/std": kept.std().item() if len(kept) > 1 else 0.0,
               "accuracy": correct.mean().item(), "response_length": s.batch.response_mask.sum(1).mean().item(),
@@ -78,6 +79,15 @@ def _score(run: Run, s: Step, batch_ref) -> torch.Tensor:
     if s.info["rl/staleness"] > run.source.max_staleness:
         raise RuntimeError(f"rollout staleness {s.info['rl/staleness']} exceeds the bound")  # an invariant
     return raw
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """The rollout's long tail: the tokens the model generated per sample (an episode's turns, not
+    its observations), mean, median, 90th percentile and longest (percentiles interpolated)."""
+    t = torch.tensor(lengths, dtype=torch.float64)
+    p50, p90 = torch.quantile(t, torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
+    return {"rollout/response_length/mean": t.mean().item(), "rollout/response_length/p50": p50,
+            "rollout/response_length/p90": p90, "rollout/response_length/max": t.max().item()}
 
 
 def _drop(run: Run, s: Step, scores) -> torch.Tensor:

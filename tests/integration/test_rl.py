@@ -214,6 +214,9 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
         other = runs["forward"][step]
         assert row["approx_kl"] == 0.0 and row["clip_frac"] == 0.0
         assert row["reward/mean"] == other["reward/mean"] and row["response_length"] == other["response_length"]
+        # single-turn, nothing filtered: the generated tokens' mean is the trained response length
+        tail = [row[f"rollout/response_length/{k}"] for k in ("p50", "p90", "max")]
+        assert row["rollout/response_length/mean"] == pytest.approx(row["response_length"]) and tail == sorted(tail)
         for key in ("policy_loss", "kl_loss", "kl", "entropy", "grad_norm"):
             assert row[key] == pytest.approx(other[key], abs=1e-4), (step, key, row[key], other[key])
     # the reference is scored and the KL reported either way: 0 while the policy is the reference

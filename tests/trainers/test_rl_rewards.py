@@ -1,4 +1,5 @@
-"""How the RL step uses a batch's scores when samples are dropped (rewards.on_error: drop_sample)."""
+"""How the RL step uses a batch's scores when samples are dropped (rewards.on_error: drop_sample) or run
+long, and the long tail of its response lengths."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -37,3 +38,14 @@ def test_overlong_responses_are_punished_softly_and_filtered_from_the_loss():
     assert out.tolist() == [1.0, 0.5, 0.0, -1.0]
     # only the response cut at the limit (finish_reason 'length') leaves the loss
     assert mask.sum(1).tolist() == [8, 8, 0, 8] and s.info["rl/truncated"] == 0.25
+
+
+def test_the_long_tail_of_response_lengths_is_reported():
+    """Lengths 1, 2, 3, 4, 100: mean 22, median 3, 90th percentile at rank 0.9 x 4 = 3.6 between 4
+    and 100 (4 + 0.6 x 96 = 61.6), longest 100; one sample is all four."""
+    from elasticrl.trainers.experience import length_stats
+
+    stats = length_stats([1, 2, 3, 4, 100])
+    assert {k.rsplit("/", 1)[1]: round(v, 6) for k, v in stats.items()} == {"mean": 22.0, "p50": 3.0, "p90": 61.6,
+                                                                            "max": 100.0}
+    assert set(length_stats([7]).values()) == {7.0}
