@@ -2,7 +2,8 @@
 
 Variant: next-token cross-entropy on response tokens only (prompt tokens are masked), the
 mean taken over every response token of the global batch (not a mean of per-micro-batch
-means), as in the paper's SFT (Appendix A.1).
+means), as in the paper's SFT (Appendix A.1). With ``data.packing`` a micro-batch's sequences are
+laid end to end in one row (no padding; ``models.scoring``), with the same loss and gradients.
 
 Run it:
   CPU:          elasticrl run examples/tiny_sft.yaml --output runs/sft
@@ -14,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from elasticrl import backend
-from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.cluster import Placement, RoleGroup, ray_session
-from elasticrl.data.records import pad_batch, prompt_answer, read_records, sft_example, sft_fields
+from elasticrl.data.records import prompt_answer, read_records, sft_example, sft_fields
 from elasticrl.models.evaluate import greedy_accuracy
+from elasticrl.models.scoring import response_logps
 from elasticrl.plan.roles import cpus_needed
 from elasticrl.spec import JobSpec, spec_to_dict
 from elasticrl.trainers.loop import check_user_files, data_paths, find_resume, num_steps, offline_loop, prepare_output
@@ -50,14 +51,10 @@ class SFTWorker(RankWorker):
         lr = self.engine.get_lr()[0]
         nll_total, seq_tokens = 0.0, 0
         self.engine.train()
-        for part in core.split(examples):
-            ids, trained = zip(*part)
-            padded = pad_batch(list(ids), self.tokenizer.pad_token_id, list(trained))
-            batch = {k: v.to(core.device) for k, v in padded.items()}
-            logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            nll = -masked_sum(token_logprobs(logits, batch["labels"]), response_mask(batch["labels"]))
-            nll_total += core.backward(nll, max(global_tokens, 1))
-            seq_tokens += int(batch["attention_mask"].sum())
+        for part in core.split(examples):  # padded, or (data.packing) laid end to end
+            sums, _ = response_logps(self.engine, part, self.tokenizer.pad_token_id, s.data.packing, core.device)
+            nll_total += core.backward(-sums.sum(), max(global_tokens, 1))
+            seq_tokens += sum(len(ids) for ids, _ in part)
         grad_norm = self.engine.get_global_grad_norm()
         return {"nll_sum": nll_total, "global_tokens": global_tokens, "seq_tokens": seq_tokens, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "leader": core.is_dp_leader}

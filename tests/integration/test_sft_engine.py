@@ -167,10 +167,11 @@ def _vllm_greedy(prompts: list[list[int]], folders: list) -> list[list[dict]]:
 def test_every_zero_stage_offload_and_autotp_train_the_same_model(straight, tmp_path):
     """The straight run (ZeRO-2), and the same 8 steps on ZeRO-3 with its optimizer states and
     parameters offloaded (DeepSpeed's ZeRO-Offload paths: on a CPU machine the memory is the
-    same, but their code runs), on AutoTP 2 x ZeRO-1 and on plain data parallelism (ZeRO-0)."""
+    same, but their code runs), on AutoTP 2 x ZeRO-1 and on plain data parallelism (ZeRO-0) with
+    its micro-batches packed (data.packing: sequences end to end, no padding)."""
     runs = {"zero3-offload": ["train.zero_stage=3", "train.offload_optimizer=true", "train.offload_params=true"],
             "autotp2": ["train.tp_size=2", "train.zero_stage=1", "train.micro_batch_size=16"],
-            "zero0": ["train.zero_stage=0"]}
+            "zero0-packed": ["train.zero_stage=0", "data.packing=true"]}
     losses = {"zero2": _losses(straight)}
     for name, extra in runs.items():
         out = tmp_path / name
@@ -179,7 +180,7 @@ def test_every_zero_stage_offload_and_autotp_train_the_same_model(straight, tmp_
         assert summary["steps"] == 8 and (out / "final" / "model.safetensors").is_file()
     first, last = losses["zero2"][1], losses["zero2"][8]
     assert last < 0.7 * first, (first, last)  # the loss falls
-    for name in runs:  # sharding must not change the math
+    for name in runs:  # sharding and packing must not change the math
         assert sorted(losses[name]) == sorted(losses["zero2"])
         for step, value in losses["zero2"].items():
             assert losses[name][step] == pytest.approx(value, abs=2e-5), (name, step)

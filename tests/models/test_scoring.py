@@ -1,4 +1,5 @@
-"""Packed batches (sequences end to end, position ids restarting) score exactly like padded ones."""
+"""Packed batches (sequences end to end, position ids restarting) score exactly like padded ones: the
+log-probs, DPO's and SFT's losses and their gradients."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,7 @@ def test_packed_and_padded_give_the_same_logps_losses_and_gradients(attn):
         pc, nc = response_logps(model, chosen, pad_id=0, packed=packed)
         pr, nr = response_logps(model, rejected, pad_id=0, packed=packed)
         loss = dpo_loss(pc, pr, pc.detach() - 0.3, pr.detach() + 0.2, beta=0.5)[0].mean()
+        loss = loss - pc.sum() / nc.sum()  # and SFT's: the mean NLL over every response token
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         results[packed] = (pc.detach(), nc, pr.detach(), loss.detach(), grads)
