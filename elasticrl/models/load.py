@@ -91,11 +91,17 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
     return model
 
 
-def token_values(model, input_ids, attention_mask):
-    """Scalar head applied at every position: [B, T] (of a LoRA critic: its adapters, its head)."""
+def token_values(model, input_ids, attention_mask, packed: bool = False):
+    """Scalar head applied at every position: [B, T] (of a LoRA critic: its adapters, its head);
+    ``packed``: the right-padded rows' tokens laid end to end (``scoring.packed_forward``)."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
     base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if packed:
+        from elasticrl.models.scoring import packed_forward
+
+        hidden = packed_forward(lambda **kw: base(**kw, use_cache=False).last_hidden_state, input_ids, attention_mask)
+    else:
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
 
 

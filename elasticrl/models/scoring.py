@@ -1,4 +1,5 @@
-"""Summed response log-probabilities of whole sequences, padded or packed.
+"""Summed response log-probabilities of whole sequences, padded or packed; a right-padded batch's
+forward, packed (``packed_forward``), in the padded layout.
 
 Packed: the sequences of a batch are laid end to end in one row, with position ids that
 restart at each sequence; transformers then builds a block-diagonal causal mask from the
@@ -47,3 +48,18 @@ def _packed(model, examples, device):
     sums = torch.zeros(len(examples), device=lp.device).index_add(0, idx, lp * scored)
     counts = torch.zeros(len(examples), device=lp.device).index_add(0, idx, scored)
     return sums, counts
+
+
+def packed_forward(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``forward(input_ids=, position_ids=)`` over a right-padded batch's real tokens laid end to
+    end in one row (position ids restarting at each sequence, as the padded rows count them),
+    its per-token output put back in the padded layout ``[B, T, ...]`` (zeros on padding).
+    Gradients flow to the packed computation."""
+    keep = attention_mask.bool()
+    lengths = attention_mask.sum(1).tolist()
+    ids = input_ids[keep][None]
+    pos = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])[None]
+    out = forward(input_ids=ids, position_ids=pos)[0]
+    full = out.new_zeros(*input_ids.shape, *out.shape[1:])
+    full[keep] = out
+    return full

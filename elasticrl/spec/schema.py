@@ -107,8 +107,10 @@ class DataSpec:
     apply_chat_template: bool = doc("Wrap prompt strings in the tokenizer's chat template (conversations always "
                                     "are).", True)
     max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
-    packing: bool = doc("sft, dpo, kto: lay the sequences of a micro-batch end to end (no padding; position "
-                        "ids restart at each); the padded computation's losses and gradients.", False)
+    packing: bool = doc("Lay the sequences of a micro-batch end to end (no padding; position ids restart at "
+                        "each): SFT, DPO and KTO, and the RL roles' forwards (actor, critic, reference, reward "
+                        "models); the padded computation's losses and gradients. rm and prm do not pack yet.",
+                        False)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_l
 from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
+from elasticrl.models.scoring import packed_forward
 from elasticrl.spec import load_spec
 from elasticrl.trainers.batch import Experience, rows_reply, widened
 from elasticrl.trainers.worker import TRAINER_IMPORTS, RankWorker
@@ -101,8 +102,10 @@ class ActorWorker(_TrainedRole):
             return self.logprobs(batch)
 
     def _logits(self, mb: Experience, model=None) -> torch.Tensor:
-        """The logits of the policy, or of ``model``."""
+        """The logits of the policy, or of ``model``, padded or (data.packing) packed."""
         model = self.core.engine if model is None else model
+        if self.spec.data.packing:
+            return packed_forward(lambda **kw: model(**kw, use_cache=False).logits, mb.input_ids, mb.attention_mask)
         return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
 
     def train(self, batch: Experience, step: int) -> dict:
@@ -183,7 +186,7 @@ class CriticWorker(_TrainedRole):
     def values(self, batch: Experience) -> dict:
         module = self.core.engine.module
         share, values = self._forward_all(
-            batch, lambda mb: token_values(module, mb.input_ids, mb.attention_mask)[:, :-1])
+            batch, lambda mb: token_values(module, mb.input_ids, mb.attention_mask, self.spec.data.packing)[:, :-1])
         return rows_reply(share, "values", values, self.core.is_dp_leader)
 
     def train(self, batch: Experience, step: int) -> dict:
@@ -196,7 +199,7 @@ class CriticWorker(_TrainedRole):
             minibatches += 1
             denom = _denominators(batch, index, self.spec)
             for mb in self._micro(batch, index):
-                values = token_values(engine.module, mb.input_ids, mb.attention_mask)[:, :-1]
+                values = token_values(engine.module, mb.input_ids, mb.attention_mask, self.spec.data.packing)[:, :-1]
                 loss = value_loss(values, mb.old_values, mb.returns, mb.response_mask,
                                   clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
                 total += self.core.backward(loss)
@@ -269,11 +272,13 @@ class FrozenWorker:
             part = index[m * mbs:(m + 1) * mbs]
             mb = batch.rows(part if len(part) else torch.arange(1)).trimmed().to(device)
             if self.kind == "reward":
-                values = token_values(self.model, mb.input_ids, mb.attention_mask)
+                values = token_values(self.model, mb.input_ids, mb.attention_mask, s.data.packing)
                 last = mb.attention_mask.sum(1) - 1
                 result = values[torch.arange(len(last)), last].cpu()
             else:
-                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                logits = packed_forward(lambda **kw: self.model(**kw, use_cache=False).logits, mb.input_ids,
+                                        mb.attention_mask) if s.data.packing else \
+                    self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
                 result = widened(token_logprobs(logits, mb.labels, s.rl.temperature).cpu(),
                                  batch.input_ids.shape[1] - 1)
             if len(part):

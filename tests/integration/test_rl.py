@@ -197,7 +197,9 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
     """rl.old_logprobs: auto with one mini-batch per rollout batch (8 prompts x 4 = the global
     batch of 32): the update's own log-probs are the old ones, so the ratio is exactly 1 (no
     clipping, approx_kl 0) and the forward pass before it is skipped; the run matches one
-    that computes that pass (rl.old_logprobs: forward) step for step. The reward is the share of
+    that computes that pass (rl.old_logprobs: forward) step for step, with its micro-batches
+    packed (data.packing: the policy's and the reference's forwards on the rows laid end to end,
+    equal to the padded ones within the comparison's 1e-4). The reward is the share of
     digits in a completion, which varies within a group whatever the samples (the verifier's
     could be 0 for all 32 on some CPU kinds, and then nothing moves)."""
     # one micro-batch: the update's `kl` (a mean over micro-batches) is then the batch's token mean too
@@ -207,7 +209,8 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
                    "rewards.functions=[{path: 'tests.integration.faults:digit_share'}]"]
     runs = {}
     for mode in ("auto", "forward"):
-        run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}"]), tmp_path / mode)
+        packed = ["data.packing=true"] if mode == "forward" else []
+        run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}", *packed]), tmp_path / mode)
         runs[mode] = _steps(tmp_path / mode)
     assert sorted(runs["auto"]) == sorted(runs["forward"]) == [1, 2]
     for step, row in runs["auto"].items():

@@ -58,3 +58,42 @@ def test_packing_keeps_sequences_apart():
         alone = response_logps(model, target, pad_id=0, packed=True)[0]
         after = response_logps(model, _examples(4, 3) + target, pad_id=0, packed=True)[0][-1:]
     torch.testing.assert_close(after, alone, atol=1e-5, rtol=0)
+
+
+def test_a_packed_rl_forward_gives_the_padded_log_probs_values_and_gradients():
+    """The RL roles' forward (data.packing): a right-padded batch's rows laid end to end, the
+    output put back in the padded layout. On every real token the policy's log-probs and the
+    critic's values equal the padded ones (fp32, 1e-5), and so do the gradients of a loss over
+    them; padding positions hold zeros."""
+    from transformers import LlamaForSequenceClassification
+
+    from elasticrl.algorithms.logprobs import token_logprobs
+    from elasticrl.data.records import pad_batch
+    from elasticrl.models.load import token_values
+    from elasticrl.models.scoring import packed_forward
+
+    examples = _examples(5, 5)
+    b = pad_batch([e[0] for e in examples], 0, [e[1] for e in examples])
+    mask = (b["labels"][:, 1:] != -100).float()
+    policy = _model("eager")
+    torch.manual_seed(1)
+    critic = LlamaForSequenceClassification(policy.config.__class__(**{**policy.config.to_dict(), "num_labels": 1}))
+    outs = {}
+    for packed in (False, True):
+        policy.zero_grad()
+        critic.zero_grad()
+        ids, attn = b["input_ids"], b["attention_mask"]
+        logits = packed_forward(lambda **kw: policy(**kw, use_cache=False).logits, ids, attn) if packed \
+            else policy(input_ids=ids, attention_mask=attn).logits
+        logp = token_logprobs(logits, b["labels"])
+        values = token_values(critic, b["input_ids"], b["attention_mask"], packed)
+        loss = -(logp * mask).sum() / mask.sum() + ((values[:, :-1] - 0.5) ** 2 * mask).sum() / mask.sum()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for m in (policy, critic) for p in m.parameters() if p.grad is not None])
+        outs[packed] = (logits.detach(), logp.detach(), values.detach(), grads)
+    real = b["attention_mask"].bool()
+    torch.testing.assert_close(outs[True][0][real], outs[False][0][real], atol=1e-5, rtol=0)
+    assert outs[True][0][~real].abs().sum() == 0 and (~real).any()  # the padding is left out
+    torch.testing.assert_close(outs[True][1] * mask, outs[False][1] * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[True][2][real], outs[False][2][real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[True][3], outs[False][3], atol=1e-5, rtol=1e-4)
