@@ -107,8 +107,6 @@ CASES = [
     ("field-typo", [], ["run", GRPO, "--set", "trian.lr=1"], 2, "trian: unknown field; did you mean 'train'?"),
     ("nested-typo", [], ["run", GRPO, "--set", "train.lrr=1"], 2, "train.lrr: unknown field; did you mean 'lr'?"),
     ("algorithm-typo", [], ["run", GRPO, "--set", "algorithm=grop"], 2, "did you mean 'grpo'?"),
-    ("packing-unsupported", [], ["run", RM, "--set", "data.packing=true"], 2,
-     "data.packing: rm does not pack its batches yet ("),
     # the transports are the modules of elasticrl/weights/transports (a new one is a new module)
     ("transport-typo", [], ["run", GRPO, "--set", "rollout.weight_sync=broadcst"], 2,
      "rollout.weight_sync: unknown transport 'broadcst' (did you mean 'broadcast'?); choose auto or one of "

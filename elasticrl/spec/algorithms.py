@@ -26,7 +26,6 @@ class Algorithm:
     unpaired: bool = False           # learns from single answers labelled desirable or not (KTO; pairs split)
     lora: bool = True                # trains LoRA adapters (model.lora)
     precomputed_reference: bool = False  # preference.reference 'precomputed' (the reference's log-probs once)
-    packing: bool = True             # its trainer lays a micro-batch's sequences end to end (data.packing)
 
     @property
     def min_samples(self) -> int:
@@ -41,8 +40,8 @@ _ROUNDS = "elasticrl.trainers.rounds:run_rounds"
 ALGORITHMS = {
     "sft": Algorithm("sft", "elasticrl.trainers.sft:run_sft", data="sft"),
     "conditional_sft": Algorithm("sft", "elasticrl.trainers.conditional:run_conditional", lora=False),
-    "rm": Algorithm("reward", "elasticrl.trainers.rm:run_rm", head="value", packing=False),
-    "prm": Algorithm("reward", "elasticrl.trainers.prm:run_prm", head="value", packing=False),
+    "rm": Algorithm("reward", "elasticrl.trainers.rm:run_rm", head="value"),
+    "prm": Algorithm("reward", "elasticrl.trainers.prm:run_prm", head="value"),
     "dpo": Algorithm("preference", _PREFERENCE, reference=True, sequences=2, pairs=True, precomputed_reference=True),
     # KTO scores each example and a mismatched one (its reference point)
     "kto": Algorithm("preference", _PREFERENCE, reference=True, sequences=2, unpaired=True),

@@ -233,13 +233,6 @@ def _world(spec: JobSpec, here: bool) -> None:
         raise SpecError("world.operators", f"expected a non-empty subset of '+-*', got {spec.world.operators!r}")
 
 
-def _data(spec: JobSpec, here: bool) -> None:
-    if spec.data.packing and not ALGORITHMS[spec.algorithm].packing:
-        packs = ", ".join(name for name, alg in ALGORITHMS.items() if alg.packing)
-        raise SpecError("data.packing", f"{spec.algorithm} does not pack its batches yet ({packs} do); set "
-                                        "data.packing: false")
-
-
 def _paths(spec: JobSpec, here: bool) -> None:
     """What must exist where the job runs: model folders (not adapter folders) and data."""
     if not here:
@@ -262,4 +255,4 @@ def _paths(spec: JobSpec, here: bool) -> None:
 
 RULES = [("train", _train), ("model", _model), ("rl", _rl), ("rollout", _rollout), ("rewards", _rewards),
          ("conditional", _conditional), ("rounds", _rounds), ("preference", _preference), ("critic", _critic),
-         ("data", _data), ("world", _world), ("paths", _paths)]
+         ("world", _world), ("paths", _paths)]

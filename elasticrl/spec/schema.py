@@ -108,9 +108,8 @@ class DataSpec:
                                     "are).", True)
     max_length: int = doc("Longest tokenised example; longer ones are truncated.", 64, min=2)
     packing: bool = doc("Lay the sequences of a micro-batch end to end (no padding; position ids restart at "
-                        "each): SFT, DPO and KTO, and the RL roles' forwards (actor, critic, reference, reward "
-                        "models); the padded computation's losses and gradients. rm and prm do not pack yet.",
-                        False)
+                        "each), in every trainer (SFT, reward models, preference, the RL roles' forwards); the "
+                        "padded computation's losses and gradients.", False)
 
 
 @dataclass

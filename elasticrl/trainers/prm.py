@@ -113,7 +113,7 @@ class PRMWorker(RMWorker):
         for i, (pos, rec) in enumerate(zip(positions, records)):
             markers[i, pos] = True
             labels[i, pos] = torch.tensor(rec[d.step_labels_key][: len(pos)], dtype=torch.float, device=labels.device)
-        return token_values(self.model(), b["input_ids"], b["attention_mask"]), markers, labels
+        return token_values(self.model(), b["input_ids"], b["attention_mask"], d.packing), markers, labels
 
     def train_step(self, step: int) -> dict:
         B = self.spec.train.global_batch_size

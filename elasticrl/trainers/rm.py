@@ -53,7 +53,7 @@ class RMWorker(RankWorker):
                 seqs.append(tokenize_sft(tok, p[s.data.prompt_key], p[key], s.data.apply_chat_template,
                                          s.data.max_length)[0])
         b = {k: v.to(self.core.device) for k, v in pad_batch(seqs, tok.pad_token_id).items()}
-        values = token_values(self.model(), b["input_ids"], b["attention_mask"])
+        values = token_values(self.model(), b["input_ids"], b["attention_mask"], s.data.packing)
         last = b["attention_mask"].sum(1) - 1
         r = values[torch.arange(len(seqs)), last]
         return r[: len(pairs)], r[len(pairs):]

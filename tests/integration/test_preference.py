@@ -226,15 +226,16 @@ SMALL_WORLD = ["world.max_operand=9", "eval.num_prompts=0", "train.lr=1e-3", "tr
 def test_reward_model_with_lora_ranks_held_out_pairs_exports_a_merged_model_and_resumes(ray_cluster, tmp_path,
                                                                                           capsys):
     """Rank-8 adapters and a value head trained whole (the full fine-tune trains in tests.prepare,
-    PPO's reward model); ``export.merge`` writes a plain sequence-classification model that scores
-    the held-out pairs as the trained one did. Resumed from its step-40 checkpoint it repeats the
+    PPO's reward model), its micro-batches packed (data.packing); ``export.merge`` writes a plain
+    sequence-classification model that scores the held-out pairs, one sequence at a time and
+    unpadded, as the trained one did packed. Resumed from its step-40 checkpoint it repeats the
     last 20 steps."""
     import torch
 
     from elasticrl.models.load import load_tokenizer, load_value_model, token_values
 
     spec = load_spec(EXAMPLES / "tiny_rm.yaml", BASE + SMALL_WORLD + [
-        "train.max_steps=60", "train.lr=5e-3", "model.lora.rank=8", "export.merge=true", *LEARNING,
+        "train.max_steps=60", "train.lr=5e-3", "model.lora.rank=8", "export.merge=true", "data.packing=true", *LEARNING,
         "checkpoint.every_steps=40", "checkpoint.resume=auto"])
     summary = run_rm(spec, tmp_path / "run")
     resumes_exactly(run_rm, spec, tmp_path / "run", 40, capsys)  # the adapters and the value head go on
