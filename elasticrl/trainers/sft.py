@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from elasticrl import backend
+from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.cluster import Placement, RoleGroup, ray_session
-from elasticrl.data.records import prompt_answer, read_records, sft_example, sft_fields
+from elasticrl.data.records import pad_batch, prompt_answer, read_records, sft_example, sft_fields
 from elasticrl.models.evaluate import greedy_accuracy
 from elasticrl.models.scoring import response_logps
 from elasticrl.plan.roles import cpus_needed
@@ -51,10 +52,17 @@ class SFTWorker(RankWorker):
         lr = self.engine.get_lr()[0]
         nll_total, seq_tokens = 0.0, 0
         self.engine.train()
-        for part in core.split(examples):  # padded, or (data.packing) laid end to end
-            sums, _ = response_logps(self.engine, part, self.tokenizer.pad_token_id, s.data.packing, core.device)
-            nll_total += core.backward(-sums.sum(), max(global_tokens, 1))
-            seq_tokens += sum(len(ids) for ids, _ in part)
+        for part in core.split(examples):
+            ids, trained = zip(*part)
+            if s.data.packing:  # laid end to end, no padding
+                nll = -response_logps(self.engine, part, self.tokenizer.pad_token_id, True, core.device)[0].sum()
+            else:
+                b = {k: v.to(core.device) for k, v in pad_batch(list(ids), self.tokenizer.pad_token_id,
+                                                                 list(trained)).items()}
+                logits = self.engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                nll = -masked_sum(token_logprobs(logits, b["labels"]), response_mask(b["labels"]))
+            nll_total += core.backward(nll, max(global_tokens, 1))
+            seq_tokens += sum(len(x) for x in ids)
         grad_norm = self.engine.get_global_grad_norm()
         return {"nll_sum": nll_total, "global_tokens": global_tokens, "seq_tokens": seq_tokens, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "leader": core.is_dp_leader}
