@@ -257,7 +257,6 @@ class Delta:
 
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 HEAD = 1 << 14  # units sampled first
 CHUNK_BYTES = 1 << 20  # compared at a time on a CPU: both sides' bytes stay in its caches (measured best)
 
