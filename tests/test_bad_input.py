@@ -111,6 +111,9 @@ CASES = [
     ("transport-typo", [], ["run", GRPO, "--set", "rollout.weight_sync=broadcst"], 2,
      "rollout.weight_sync: unknown transport 'broadcst' (did you mean 'broadcast'?); choose auto or one of "
      "broadcast, files, ipc, shm, shm_staged"),
+    ("token-budget-dpo", [], ["run", DPO, "--set",
+                              "train.max_tokens_per_micro_batch=512"], 2,
+     "train.max_tokens_per_micro_batch: dpo's micro-batches are counted in rows"),
     ("lr-nan", [], ["run", GRPO, "--set", "train.lr=.nan"], 2, "train.lr: expected a finite number > 0, got nan"),
     ("lr-inf", [], ["run", GRPO, "--set", "train.lr=.inf"], 2, "train.lr: expected a finite number"),
     ("lr-negative", [], ["run", GRPO, "--set", "train.lr=-1e-3"], 2, "train.lr: expected a number > 0"),

@@ -19,6 +19,8 @@ from elasticrl import backend
 from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
 from elasticrl.engine import state
+from elasticrl.engine.budget import imbalance
+from elasticrl.engine.budget import plan as budget_plan
 from elasticrl.engine.strategy import build_engine, ds_config, init_distributed
 from elasticrl.files import write_text
 from elasticrl.models import load_tokenizer, torch_dtype
@@ -72,6 +74,7 @@ class TrainRank:
         self._writer: _Writer | None = None            # the last save's writes (``saved``)
         self._staging: torch.Tensor | None = None      # its host buffer, which the next save reuses
         self._copy_buffer: torch.Tensor | None = None  # the last snapshot's, which the next reuses
+        self._micro_count = self._micro_left = 0       # a token budget's micro-batches: planned, to go
 
     @property
     def device(self):
@@ -89,10 +92,32 @@ class TrainRank:
         """This rank's share of a batch of ``num_rows`` (tensor-parallel peers share one)."""
         return row_share(num_rows, self.dp_size, self.dp_rank)
 
-    def split(self, index):
-        """This rank's share of a global (mini-)batch's row or record indices, in micro-batches."""
-        mine, mbs = index[self.my_rows(len(index))], self.train.micro_batch_size
-        return [mine[m:m + mbs] for m in range(0, len(mine), mbs)]
+    def split(self, index, lengths: list[int] | None = None) -> list:
+        """This rank's share of a global (mini-)batch's row or record indices, in micro-batches:
+        of ``train.micro_batch_size`` rows, or with ``train.max_tokens_per_micro_batch`` planned
+        by the rows' token ``lengths`` (``engine.budget``: balanced over the ranks, cut by the
+        budget, as many on every rank; None is an empty one). ``backward`` counts them."""
+        budget = self.train.max_tokens_per_micro_batch
+        if not budget:
+            mine, mbs = index[self.my_rows(len(index))], self.train.micro_batch_size
+            return [mine[m:m + mbs] for m in range(0, len(mine), mbs)]
+        if lengths is None:
+            raise ValueError("train.max_tokens_per_micro_batch needs the rows' lengths to plan micro-batches")
+        mine = budget_plan(list(lengths), self.dp_size, budget, self.spec.data.packing)[self.dp_rank]
+        self._micro_count = self._micro_left = len(mine)
+        take = (lambda m: index[torch.tensor(m)]) if torch.is_tensor(index) else (lambda m: [index[j] for j in m])
+        return [None if m is None else take(m) for m in mine]
+
+    def token_imbalance(self, lengths: list[int]) -> float:
+        """How many more tokens the busiest data-parallel rank gets of a mini-batch of these
+        lengths than the ranks' mean (``budget.imbalance``), as ``split`` shares it out."""
+        if self.train.max_tokens_per_micro_batch:
+            shares = [[i for m in micro if m for i in m] for micro in budget_plan(
+                lengths, self.dp_size, self.train.max_tokens_per_micro_batch, self.spec.data.packing)]
+        else:
+            n = len(lengths)
+            shares = [range(n)[row_share(n, self.dp_size, r)] for r in range(self.dp_size)]
+        return imbalance(lengths, shares)
 
     def batch_records(self, num_records: int, step: int) -> list[int]:
         """Record indices of step ``step``'s global batch (the seeded order of
@@ -100,17 +125,29 @@ class TrainRank:
         B = self.train.global_batch_size
         return sample_indices(num_records, self.spec.seed, step * B, B, self.spec.data.shuffle)
 
-    def micro_batches(self, num_records: int, step: int) -> list[list[int]]:
-        """This rank's record indices of step ``step``'s global batch, in micro-batches; the
-        engine goes into training mode."""
+    def micro_batches(self, num_records: int, step: int, length=None) -> list:
+        """This rank's record indices of step ``step``'s global batch, in micro-batches (``split``;
+        ``length(i)``: record i's tokens, for token budgets); the engine goes into training mode."""
         self.engine.train()
-        return self.split(self.batch_records(num_records, step))
+        records = self.batch_records(num_records, step)
+        return self.split(records, [length(i) for i in records] if self.train.max_tokens_per_micro_batch else None)
+
+    @property
+    def micro_count(self) -> int:
+        """Micro-batches of the mini-batch being trained: the split's under a token budget."""
+        return self._micro_count if self.train.max_tokens_per_micro_batch else self.grad_accum
 
     def backward(self, loss: torch.Tensor, denominator: float = 1.0) -> float:
         """Backward of a micro-batch's share of the global mean loss, ``loss / denominator``
-        (DeepSpeed averages over data-parallel ranks and accumulation steps, so it is scaled
-        back up); the engine steps at the accumulation boundary. Returns ``loss``."""
-        self.engine.backward(loss * (self.dp_size * self.grad_accum / denominator))
+        (DeepSpeed averages over data-parallel ranks, and by rows over the accumulation steps,
+        so it is scaled back up); the engine steps at the accumulation boundary: the last of
+        the split's micro-batches under a token budget. Returns ``loss``."""
+        if self.train.max_tokens_per_micro_batch:
+            self._micro_left -= 1
+            self.engine.set_gradient_accumulation_boundary(self._micro_left == 0)
+            self.engine.backward(loss * (self.dp_size / denominator), scale_wrt_gas=False)
+        else:
+            self.engine.backward(loss * (self.dp_size * self.grad_accum / denominator))
         self.engine.step()
         return loss.item()
 

@@ -75,6 +75,10 @@ def _train(spec: JobSpec, here: bool) -> None:
                                                 "parameters on every rank)")
     if t.offload_optimizer and t.zero_stage == 0:
         raise SpecError("train.offload_optimizer", "needs train.zero_stage >= 1")
+    alg = ALGORITHMS[spec.algorithm]
+    if t.max_tokens_per_micro_batch and (alg.pairs or alg.unpaired):
+        raise SpecError("train.max_tokens_per_micro_batch", f"{spec.algorithm}'s micro-batches are counted in rows "
+                        "(data.packing lays them end to end); set it to 0 and size train.micro_batch_size")
 
 
 def _model(spec: JobSpec, here: bool) -> None:

@@ -121,6 +121,12 @@ class TrainSpec:
     global_batch_size: int = doc(
         "Examples per optimizer step over all ranks; must be a multiple of "
         "micro_batch_size * num_ranks / tp_size (the rest is gradient accumulation).", 64, min=1)
+    max_tokens_per_micro_batch: int = doc(
+        "Token budget of a micro-batch; 0 counts micro-batches in rows (micro_batch_size). Set, each mini-batch's "
+        "rows go to the data-parallel ranks balanced by tokens and each rank's are cut into micro-batches of at "
+        "most this many tokens (rows x longest padded, their sum with data.packing; a longer row alone), as many "
+        "on every rank; the loss and gradients are the row-counted run's (docs/long-sequences.md). Also cuts the "
+        "experience passes (log-probs, values, rewards).", 0, min=0)
     max_steps: int = doc("Optimizer steps to run; 0 derives it from num_epochs.", 0, min=0)
     num_epochs: float = doc("Passes over the training data when max_steps is 0.", 1.0,
                             min=0, exclusive_min=True)

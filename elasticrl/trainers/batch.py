@@ -82,16 +82,20 @@ def widened(values_bt: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values_bt, (0, width - values_bt.shape[1]))
 
 
-def rows_reply(share: slice, key: str, values: torch.Tensor | None, leader: bool) -> dict:
-    """A rank's answer for its rows ``share`` of a batch (``gather_rows`` reassembles them);
-    ``leader``: false on tensor-parallel peers, whose rows the leader already sent."""
-    return {"rows": [share.start, share.stop], key: values, "leader": leader}
+def rows_reply(rows: slice | list[int], key: str, values: torch.Tensor | None, leader: bool) -> dict:
+    """A rank's answer for its ``rows`` of a batch, in that order (``gather_rows`` reassembles
+    them); ``leader``: false on tensor-parallel peers, whose rows the leader already sent."""
+    return {"rows": list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows, key: values,
+            "leader": leader}
 
 
 def gather_rows(parts: list[dict], key: str) -> torch.Tensor:
     """Reassemble the ranks' ``rows_reply`` answers in row order."""
-    pieces = sorted((p["rows"], p[key]) for p in parts if p["leader"] and p[key] is not None)
-    return torch.cat([t for _, t in pieces])
+    pieces = [(p["rows"], p[key]) for p in parts if p["leader"] and p[key] is not None]
+    out = pieces[0][1].new_zeros(sum(len(r) for r, _ in pieces), *pieces[0][1].shape[1:])
+    for rows, values in pieces:
+        out[torch.tensor(rows)] = values
+    return out
 
 
 def behaviour_logprobs(results: list[Sample], batch: Experience) -> torch.Tensor:

@@ -119,7 +119,13 @@ class PRMWorker(RMWorker):
         B = self.spec.train.global_batch_size
         loss_sum, right, steps = 0.0, 0, 0
         lr = self.core.engine.get_lr()[0]
-        for keys in self.core.micro_batches(len(self.examples), step):
+        d = self.spec.data
+        for keys in self.core.micro_batches(len(self.examples), step, lambda i: len(encode_steps(
+                self.core.tokenizer, self.examples[i][d.prompt_key], self.examples[i][d.steps_key], self.marker,
+                d.apply_chat_template, d.max_length)[0])):
+            if keys is None:  # a token budget's empty micro-batch: the collectives' turn, with no weight
+                self.core.backward(self._logits(self.examples[:1])[0].sum() * 0)
+                continue
             part = [self.examples[i] for i in keys]
             values, markers, labels = self._logits(part)
             # mean over this micro-batch's steps, weighted by its share of the global batch

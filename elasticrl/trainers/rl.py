@@ -221,12 +221,15 @@ def train(run: Run, s: Step) -> None:
             s.stats["value_loss"] = sum(x["value_loss_sum"] for x in c) / max(1, c[0]["minibatches"])
         if s.step >= rl.freeze_actor_steps:
             a = [r for r in roles.actor.call("train", ref, s.step) if r["leader"]]
-            s.stats["policy_loss"] = sum(x["policy_loss_sum"] for x in a) / max(1, a[0]["minibatches"])
-            for key in ("clip_frac", "approx_kl", "entropy", "kl_loss", "kl", "grad_norm", "lr", "is/ratio_mean",
-                        "is/clipped_frac", "is/masked_frac", "mismatch/kl"):
-                vals = [x[key] for x in a if x.get(key) is not None]
-                if vals:
-                    s.stats[key] = sum(vals) / len(vals)
+            for key in ("policy_loss", "kl_loss"):  # the ranks' global-denominator shares, a mean over mini-batches
+                if f"{key}_sum" in a[0]:
+                    s.stats[key] = sum(x[f"{key}_sum"] for x in a) / max(1, a[0]["minibatches"])
+            tokens = sum(x["tokens"] for x in a)
+            for key in ("clip_frac", "approx_kl", "entropy", "kl", "is/ratio_mean", "is/clipped_frac",
+                        "is/masked_frac", "mismatch/kl"):  # token means over every rank's tokens
+                if any(key in x for x in a):
+                    s.stats[key] = sum(x.get(key, 0.0) * x["tokens"] for x in a) / max(1, tokens)
+            s.stats.update({k: a[0][k] for k in ("grad_norm", "lr", "token_imbalance") if a[0][k] is not None})
         for group in trained:  # ... and leaves the device to the engines until the next update
             group.call("idle_states", True)
 

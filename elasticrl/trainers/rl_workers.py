@@ -19,6 +19,7 @@ from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
 from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
+from elasticrl.engine.budget import plan as budget_plan
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.models.scoring import packed_forward
@@ -53,17 +54,23 @@ class _TrainedRole(RankWorker):
     """What the actor and the critic workers share: their batch's rows in micro-batches."""
 
     def _micro(self, batch: Experience, index: torch.Tensor):
-        """This rank's share of a mini-batch, in micro-batches, on the device."""
-        for part in self.core.split(index):
-            yield batch.rows(part).trimmed().to(self.core.device)
+        """This rank's share of a mini-batch in micro-batches on the device, each with its rows
+        (None: an empty one of a token budget, computed on the mini-batch's first row)."""
+        for part in self.core.split(index, batch.attention_mask[index].sum(1).tolist()):
+            yield batch.rows(index[:1] if part is None else part).trimmed().to(self.core.device), part
 
-    def _forward_all(self, batch: Experience, fn) -> tuple[slice, torch.Tensor | None]:
+    def _forward_all(self, batch: Experience, fn) -> tuple[list[int], torch.Tensor | None]:
         """``fn(micro-batch)`` over this rank's rows of the whole batch, concatenated (at the
-        batch's width: each micro-batch is trimmed to its own)."""
+        batch's width: each micro-batch is trimmed to its own), and those rows."""
         self.core.engine.eval()
         n, width = batch.num_rows, batch.input_ids.shape[1] - 1
-        out = [widened(fn(mb).cpu(), width) for mb in self._micro(batch, torch.arange(n))]
-        return self.core.my_rows(n), (torch.cat(out) if out else None)
+        rows, out = [], []
+        for mb, part in self._micro(batch, torch.arange(n)):
+            result = fn(mb)
+            if part is not None:
+                rows += part.tolist()
+                out.append(widened(result.cpu(), width))
+        return rows, (torch.cat(out) if out else None)
 
 
 class ActorWorker(_TrainedRole):
@@ -115,14 +122,18 @@ class ActorWorker(_TrainedRole):
         engine.train()
         kl_fn = KL_ESTIMATORS[rl.kl_estimator]
         correction = correction_mode(rl.is_correction, rl.async_rollout, backend.has_gpu())
-        stats: dict[str, float] = {}
-        count = minibatches = 0
-        loss_sum = 0.0
+        stats: dict[str, float] = {}  # token-weighted sums of the micro-batches' means
+        tokens = minibatches = 0
+        loss_sum = kl_loss_sum = worst = 0.0
         num_rows = batch.num_rows
         for k, index in enumerate(_minibatches(num_rows, self.train.global_batch_size, rl.epochs, s.seed + step)):
             denom = _denominators(batch, index, self.spec)
-            for mb in self._micro(batch, index):
+            worst = max(worst, self.core.token_imbalance(batch.attention_mask[index].sum(1).tolist()))
+            for mb, part in self._micro(batch, index):
                 logits = self._logits(mb)
+                if part is None:  # the collectives' turn of an empty micro-batch, with no weight
+                    self.core.backward(logits.sum() * 0)
+                    continue
                 logp = token_logprobs(logits, mb.labels, rl.temperature)
                 mask = mb.response_mask
                 # on-policy (rl.old_logprobs: auto): the policy before this update is this one
@@ -136,7 +147,7 @@ class ActorWorker(_TrainedRole):
                 if rl.kl_coef > 0 and rl.kl_mode == "loss":
                     kl = aggregate(kl_fn(logp, mb.ref_logprobs), mask, rl.loss_aggregation, **denom)
                     total = total + rl.kl_coef * kl
-                    pstats["kl_loss"] = kl.item()
+                    kl_loss_sum += kl.item()  # a global-denominator share, as the loss
                 if mb.old_logprobs is None and mb.ref_logprobs is not None:  # the experience phase had none
                     pstats["kl"] = aggregate(kl_fn(old, mb.ref_logprobs), mask, "token_mean").item()
                 with torch.set_grad_enabled(rl.entropy_coef > 0):  # else only reported: no graph kept for it
@@ -147,15 +158,19 @@ class ActorWorker(_TrainedRole):
                 pstats["entropy"] = ent.item()
                 if rl.ptx_coef > 0:  # a mean over its own tokens, not a share of the global batch
                     total = total + rl.ptx_coef * self._ptx_loss(step * 1000 + k, len(index)) / \
-                        (self.core.dp_size * self.core.grad_accum)
+                        (self.core.dp_size * self.core.micro_count)
                 self.core.backward(total)
                 loss_sum += loss.item()  # global-denominator share: summed over ranks = the loss
+                n = int(mask.sum())  # the means are token means: weighted by tokens, any cut reports the same
                 for key, v in pstats.items():
-                    stats[key] = stats.get(key, 0.0) + v
-                count += 1
+                    stats[key] = stats.get(key, 0.0) + v * n
+                tokens += n
             minibatches += 1
-        out = {k: v / max(count, 1) for k, v in stats.items()}
-        out.update(policy_loss_sum=loss_sum, minibatches=minibatches, leader=self.core.is_dp_leader)
+        out = {k: v / max(tokens, 1) for k, v in stats.items()}
+        out.update(policy_loss_sum=loss_sum, minibatches=minibatches, leader=self.core.is_dp_leader, tokens=tokens,
+                   token_imbalance=worst)
+        if rl.kl_coef > 0 and rl.kl_mode == "loss":
+            out["kl_loss_sum"] = kl_loss_sum
         norm = engine.get_global_grad_norm()
         out["grad_norm"] = float(norm) if norm is not None and math.isfinite(float(norm)) else None
         out["lr"] = engine.get_lr()[0]
@@ -198,8 +213,11 @@ class CriticWorker(_TrainedRole):
                                   self.spec.seed + step + 1):
             minibatches += 1
             denom = _denominators(batch, index, self.spec)
-            for mb in self._micro(batch, index):
+            for mb, part in self._micro(batch, index):
                 values = token_values(engine.module, mb.input_ids, mb.attention_mask, self.spec.data.packing)[:, :-1]
+                if part is None:  # an empty micro-batch: the collectives' turn, with no weight
+                    self.core.backward(values.sum() * 0)
+                    continue
                 loss = value_loss(values, mb.old_values, mb.returns, mb.response_mask,
                                   clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
                 total += self.core.backward(loss)
@@ -254,23 +272,31 @@ class FrozenWorker:
         if device.type == "cpu":
             backend.empty_cache()
 
+    def _parts(self, batch: Experience) -> list:
+        """This rank's rows of ``batch`` in micro-batches, as the trainers cut them (rows, or a
+        token budget's plan); sharded ranks gather weights together, so each runs as many
+        forwards (None: an empty one, on a stand-in row)."""
+        n, t = batch.num_rows, self.spec.train
+        if t.max_tokens_per_micro_batch:
+            parts = [None if p is None else torch.tensor(p) for p in budget_plan(
+                batch.attention_mask.sum(1).tolist(), self.world_size, t.max_tokens_per_micro_batch,
+                self.spec.data.packing)[self.rank]]
+        else:
+            index, mbs = torch.arange(n)[row_share(n, self.world_size, self.rank)], t.micro_batch_size
+            parts = [index[m:m + mbs] for m in range(0, len(index), mbs)]
+            largest = -(-n // self.world_size)
+            parts += [None] * (-(-largest // mbs) - len(parts))
+        return parts if self.sharded else [p for p in parts if p is not None]
+
     @torch.no_grad()
     def score(self, batch: Experience) -> dict:
         """This rank's rows: log-probs (reference) or rewards at the last token (reward)."""
-        n = batch.num_rows
-        share = row_share(n, self.world_size, self.rank)
-        per = -(-n // self.world_size)  # the largest share
-        index = torch.arange(n)[share]
         device = backend.current_device()
         if self.offload_idle:
             self._place(device)
-        out, s = [], self.spec
-        mbs = s.train.micro_batch_size
-        # Sharded ranks gather weights together: every rank runs the same number of forwards.
-        steps = -(-per // mbs) if self.sharded else -(-len(index) // mbs)
-        for m in range(steps):
-            part = index[m * mbs:(m + 1) * mbs]
-            mb = batch.rows(part if len(part) else torch.arange(1)).trimmed().to(device)
+        rows, out, s = [], [], self.spec
+        for part in self._parts(batch):
+            mb = batch.rows(torch.arange(1) if part is None else part).trimmed().to(device)
             if self.kind == "reward":
                 values = token_values(self.model, mb.input_ids, mb.attention_mask, s.data.packing)
                 last = mb.attention_mask.sum(1) - 1
@@ -281,8 +307,9 @@ class FrozenWorker:
                     self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
                 result = widened(token_logprobs(logits, mb.labels, s.rl.temperature).cpu(),
                                  batch.input_ids.shape[1] - 1)
-            if len(part):
+            if part is not None:
+                rows += part.tolist()
                 out.append(result)
         if self.offload_idle:
             self._place(torch.device("cpu"))
-        return rows_reply(share, "values", torch.cat(out) if out else None, True)
+        return rows_reply(rows, "values", torch.cat(out) if out else None, True)

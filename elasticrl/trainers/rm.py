@@ -45,13 +45,14 @@ class RMWorker(RankWorker):
         """The engine while training (gradients flow), its bare module in evaluation."""
         return self.core.engine if self.core.engine.training else self.core.engine.module
 
+    def _ids(self, pair: dict, key: str) -> list[int]:
+        d = self.spec.data
+        return tokenize_sft(self.core.tokenizer, pair[d.prompt_key], pair[key], d.apply_chat_template,
+                            d.max_length)[0]
+
     def _rewards(self, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         s, tok = self.spec, self.core.tokenizer
-        seqs = []
-        for key in (s.data.chosen_key, s.data.rejected_key):
-            for p in pairs:
-                seqs.append(tokenize_sft(tok, p[s.data.prompt_key], p[key], s.data.apply_chat_template,
-                                         s.data.max_length)[0])
+        seqs = [self._ids(p, key) for key in (s.data.chosen_key, s.data.rejected_key) for p in pairs]
         b = {k: v.to(self.core.device) for k, v in pad_batch(seqs, tok.pad_token_id).items()}
         values = token_values(self.model(), b["input_ids"], b["attention_mask"], s.data.packing)
         last = b["attention_mask"].sum(1) - 1
@@ -62,10 +63,15 @@ class RMWorker(RankWorker):
         s, B = self.spec, self.spec.train.global_batch_size
         loss_sum, correct, margin, pairs = 0.0, 0, 0.0, 0
         lr = self.core.engine.get_lr()[0]
-        for keys in self.core.micro_batches(len(self.pairs), step):
+        d = s.data
+        for keys in self.core.micro_batches(len(self.pairs), step, lambda i: sum(  # a pair: its two sequences
+                len(self._ids(self.pairs[i], k)) for k in (d.chosen_key, d.rejected_key))):
+            if keys is None:  # a token budget's empty micro-batch: the collectives' turn, with no weight
+                self.core.backward(torch.cat(self._rewards(self.pairs[:1])).sum() * 0)
+                continue
             part = [self.pairs[i] for i in keys]
             chosen, rejected = self._rewards(part)
-            margin_b = torch.tensor([float(p.get(s.data.margin_key, 0.0)) for p in part], device=chosen.device)
+            margin_b = torch.tensor([float(p.get(d.margin_key, 0.0)) for p in part], device=chosen.device)
             # mean over this micro-batch's pairs, rescaled to a share of the global mean
             loss_sum += self.core.backward(bradley_terry_loss(chosen, rejected, margin_b) * len(part) / B)
             pairs += len(part)

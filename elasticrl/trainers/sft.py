@@ -52,8 +52,10 @@ class SFTWorker(RankWorker):
         lr = self.engine.get_lr()[0]
         nll_total, seq_tokens = 0.0, 0
         self.engine.train()
-        for part in core.split(examples):
-            ids, trained = zip(*part)
+        for part in core.split(examples, [len(ids) for ids, _ in examples]):
+            weight = 0 if part is None else 1  # None: a token budget's empty micro-batch, computed with no weight
+            ids, trained = zip(*(part or examples[:1]))
+            part = part or examples[:1]
             if s.data.packing:  # laid end to end, no padding
                 nll = -response_logps(self.engine, part, self.tokenizer.pad_token_id, True, core.device)[0].sum()
             else:
@@ -61,8 +63,8 @@ class SFTWorker(RankWorker):
                                                                  list(trained)).items()}
                 logits = self.engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
                 nll = -masked_sum(token_logprobs(logits, b["labels"]), response_mask(b["labels"]))
-            nll_total += core.backward(nll, max(global_tokens, 1))
-            seq_tokens += sum(len(x) for x in ids)
+            nll_total += core.backward(nll * weight, max(global_tokens, 1))
+            seq_tokens += sum(len(x) for x in ids) * weight
         grad_norm = self.engine.get_global_grad_norm()
         return {"nll_sum": nll_total, "global_tokens": global_tokens, "seq_tokens": seq_tokens, "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "leader": core.is_dp_leader}

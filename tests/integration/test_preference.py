@@ -263,9 +263,12 @@ def test_reward_model_with_lora_ranks_held_out_pairs_exports_a_merged_model_and_
 
 def test_process_reward_model_learns_to_find_the_wrong_step_and_resumes(ray_cluster, tmp_path, capsys):
     # 400 steps: after 200, step accuracy was 0.680-0.744 and best-of-4 0.297-0.609 under 3 seeds
-    # (0.676 on another CPU); after 400 they were 0.754-0.824 and 0.484-0.672 (docs/development.md)
+    # (0.676 on another CPU); after 400 they were 0.754-0.824 and 0.484-0.672 (docs/development.md).
+    # One rank of 64 rows, not two of 32 (the same global batch): 84 CPU-s of steps against 120
+    # (0.795 and 0.469 at 400 steps, bf16), and a core left to the other worker's tests
     spec = load_spec(EXAMPLES / "tiny_prm.yaml", BASE + SMALL_WORLD + [
-        "train.max_steps=400", *LEARNING, "checkpoint.every_steps=380", "checkpoint.resume=auto"])
+        "train.max_steps=400", *LEARNING, "train.num_ranks=1", "train.micro_batch_size=64",
+        "checkpoint.every_steps=380", "checkpoint.resume=auto"])
     summary = run_prm(spec, tmp_path / "run")
     resumes_exactly(run_prm, spec, tmp_path / "run", 380, capsys)
     first, last = summary["initial"], summary["final"]

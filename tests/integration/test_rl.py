@@ -199,17 +199,18 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
     clipping, approx_kl 0) and the forward pass before it is skipped; the run matches one
     that computes that pass (rl.old_logprobs: forward) step for step, with its micro-batches
     packed (data.packing: the policy's and the reference's forwards on the rows laid end to end,
-    equal to the padded ones within the comparison's 1e-4). The reward is the share of
+    equal to the padded ones within the comparison's 1e-4) and cut by tokens
+    (train.max_tokens_per_micro_batch: several micro-batches of varying rows against one of 32,
+    the same loss, KL, entropy and gradient norm). The reward is the share of
     digits in a completion, which varies within a group whatever the samples (the verifier's
     could be 0 for all 32 on some CPU kinds, and then nothing moves)."""
-    # one micro-batch: the update's `kl` (a mean over micro-batches) is then the batch's token mean too
     sets = BASE + [HF_ENGINE, "train.num_ranks=1", "train.global_batch_size=32", "train.micro_batch_size=32",
                    "rl.num_steps=2",
                    "eval.enabled=false", "rl.kl_coef=0.05", "rl.kl_mode=loss", "rl.kl_estimator=k3",
                    "rewards.functions=[{path: 'tests.integration.faults:digit_share'}]"]
     runs = {}
     for mode in ("auto", "forward"):
-        packed = ["data.packing=true"] if mode == "forward" else []
+        packed = ["data.packing=true", "train.max_tokens_per_micro_batch=160"] if mode == "forward" else []
         run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}", *packed]), tmp_path / mode)
         runs[mode] = _steps(tmp_path / mode)
     assert sorted(runs["auto"]) == sorted(runs["forward"]) == [1, 2]

@@ -168,10 +168,13 @@ def test_every_zero_stage_offload_and_autotp_train_the_same_model(straight, tmp_
     """The straight run (ZeRO-2), and the same 8 steps on ZeRO-3 with its optimizer states and
     parameters offloaded (DeepSpeed's ZeRO-Offload paths: on a CPU machine the memory is the
     same, but their code runs), on AutoTP 2 x ZeRO-1 and on plain data parallelism (ZeRO-0) with
-    its micro-batches packed (data.packing: sequences end to end, no padding)."""
-    runs = {"zero3-offload": ["train.zero_stage=3", "train.offload_optimizer=true", "train.offload_params=true"],
+    its micro-batches packed (data.packing: sequences end to end, no padding). The ZeRO-3 and
+    ZeRO-0 runs cut their micro-batches by tokens (train.max_tokens_per_micro_batch: rows
+    balanced over the ranks, a varying count of micro-batches per step, padded and packed)."""
+    runs = {"zero3-offload": ["train.zero_stage=3", "train.offload_optimizer=true", "train.offload_params=true",
+                              "train.max_tokens_per_micro_batch=100"],
             "autotp2": ["train.tp_size=2", "train.zero_stage=1", "train.micro_batch_size=16"],
-            "zero0-packed": ["train.zero_stage=0", "data.packing=true"]}
+            "zero0-packed": ["train.zero_stage=0", "data.packing=true", "train.max_tokens_per_micro_batch=90"]}
     losses = {"zero2": _losses(straight)}
     for name, extra in runs.items():
         out = tmp_path / name
