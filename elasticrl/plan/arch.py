@@ -66,6 +66,7 @@ KNOWN = {
     "llama-3.1-8b": Arch(4096, 32, 32, 8, 14336, 128256),
     "llama-3.1-70b": Arch(8192, 80, 64, 8, 28672, 128256),
     "qwen2.5-7b": Arch(3584, 28, 28, 4, 18944, 152064),
+    "deepseek-r1-distill-qwen-7b": Arch(3584, 28, 28, 4, 18944, 152064),  # the DAPO runs' model (Qwen2.5-Math-7B)
 }
 
 

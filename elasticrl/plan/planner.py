@@ -20,12 +20,16 @@ from dataclasses import dataclass, field
 from elasticrl.plan.arch import Arch, arch_of
 from elasticrl.plan.memory import (
     ADAM_BYTES,
+    CONTEXT_BYTES,
     GB,
+    HALF,
     TrainConfig,
     engine_need,
     engine_role,
     frozen_role,
+    layer_activation_bytes,
     state_copies,
+    train_activations,
     trained_role,
 )
 from elasticrl.plan.roles import COLOCATION, is_rl, job_roles
@@ -36,13 +40,15 @@ from elasticrl.spec.schema import JobSpec
 PLANNED = ("train.num_ranks", "train.zero_stage", "train.offload_optimizer", "train.offload_params",
            "train.micro_batch_size", "model.gradient_checkpointing", "critic.num_ranks", "placement.colocate",
            "placement.offload_idle", "placement.reference_ranks", "placement.reward_ranks",
-           "rollout.num_engines", "rollout.tp_size", "rollout.gpu_memory_utilization")
+           "rollout.num_engines", "rollout.tp_size", "rollout.gpu_memory_utilization", "rollout.max_model_len",
+           "train.max_tokens_per_micro_batch")
 PHASES = ("rollout", "experience", "train")
 USABLE = 0.95            # share of a GPU's memory the plan may fill
 ENGINE_UTILIZATION = 0.9  # vLLM's share of a GPU it has alone
 CONCURRENT = 8           # full-length sequences an engine must hold in its KV cache at least
 DECODE_EFFICIENCY = 0.1  # decode is memory-bound: ~10 % of the FLOP rate of training
 COMMON_GPU_GB = (16, 24, 32, 40, 48, 80, 96, 141, 192)
+LONG = 1024              # rl.max_new_tokens from which generations are long: micro-batches cut by tokens
 
 
 class PlanError(ValueError):
@@ -85,6 +91,7 @@ class Plan:
     host_bytes: float
     step_time: float
     pinned: list = field(default_factory=list)
+    lengths: list = field(default_factory=list)  # what the plan gives long sequences: lines for the console
 
     def overrides(self) -> list[str]:
         return as_overrides({k: v for k, v in self.settings.items() if k not in self.pinned})
@@ -324,7 +331,30 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
         role_rows[r] = {"ranks": ranks[r], "gpus": ranks[r] * apart, "memory": mem[r], "host": host[r],
                         "group": group}
     return Plan(job.spec.algorithm, a, inv, settings, role_rows, group_info, sum(host.values()), 0.0,
-                sorted(job.pinned))
+                sorted(job.pinned), _lengths(job, cfg, tp, util * gpu, settings))
+
+
+def _lengths(job: _Job, cfg: TrainConfig, tp: int, engine_bytes: float, settings: dict) -> list[str]:
+    """The plan by length: the longest sequence, the activations a token costs a trained rank
+    (a layer's whole set without checkpointing, its input with), the micro-batch's token budget
+    and its activations, and how many full-length sequences an engine's KV cache holds."""
+    a, seq = job.arch, job.seq
+    per_token = layer_activation_bytes(a, 1, 1, cfg.tp)
+    tokens = settings.get("train.max_tokens_per_micro_batch") or cfg.micro_batch * seq
+    lines = [f"sequences: up to {seq} tokens (prompt {job.spec.data.max_length}"
+             + (f" + generation {job.spec.rl.max_new_tokens})" if is_rl(job.spec) else ")"),
+             f"activations: {a.layers * per_token / 1e6:.2f} MB a token over {a.layers} layers, "
+             f"{(a.layers * HALF * a.hidden + per_token) / 1e6:.2f} MB with checkpointing; a micro-batch of {tokens} "
+             "tokens"
+             + (" (train.max_tokens_per_micro_batch)" if "train.max_tokens_per_micro_batch" in settings else "")
+             + f": {train_activations(a, 1, tokens, cfg.checkpointing, 'lm', cfg.tp) / GB:.1f} GB with the "
+             f"logits{', checkpointed' if cfg.checkpointing else ''}; sequence parallelism: none (sp 1)"]
+    if "rollout" in job.roles:
+        kv = engine_bytes - HALF * a.params() / tp - CONTEXT_BYTES
+        per_seq = seq * a.kv_bytes_per_token() / tp
+        lines.append(f"KV cache: {kv / GB:.1f} GB per engine GPU, {int(kv // per_seq)} sequences of {seq} tokens at "
+                     f"once ({per_seq / GB:.2f} GB each at tensor-parallel {tp})")
+    return lines
 
 
 def _groups(coloc: str, roles: dict) -> dict[str, list[str]]:
@@ -362,10 +392,16 @@ def _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util) -> dict:
     s = {"train.num_ranks": ranks["actor"], "train.zero_stage": cfg.zero_stage,
          "train.offload_optimizer": cfg.offload_optimizer, "train.offload_params": cfg.offload_params,
          "train.micro_batch_size": cfg.micro_batch, "model.gradient_checkpointing": cfg.checkpointing}
+    if is_rl(job.spec) and job.spec.rl.max_new_tokens >= LONG:
+        # long generations vary in length: cut micro-batches by the tokens the memory model gave
+        # room for (a micro-batch's rows at full length), so short ones share a micro-batch
+        s["train.max_tokens_per_micro_batch"] = _choices("train.max_tokens_per_micro_batch", job.pinned,
+                                                         [cfg.micro_batch * job.seq])[0]
     if "rollout" in job.roles:
         s.update({"placement.colocate": coloc, "placement.offload_idle": offload_idle,
                   "rollout.num_engines": engines, "rollout.tp_size": tp,
-                  "rollout.gpu_memory_utilization": round(util, 3)})
+                  "rollout.gpu_memory_utilization": round(util, 3),
+                  "rollout.max_model_len": _choices("rollout.max_model_len", job.pinned, [job.seq])[0]})
     if "critic" in job.roles:
         s["critic.num_ranks"] = ranks["critic"]
     if "reference" in job.roles and is_rl(job.spec):  # dpo, kto: the reference is in the trainer
@@ -390,7 +426,9 @@ def _explain(spec: JobSpec, inv: Inventory, pinned: dict, job: _Job) -> str:
         if lora is not None and fits(lora, inv, pinned):
             fixes.append("LoRA (model.lora.rank: 16: adapters train on the frozen base, which is the reference)")
     if pinned and fits(spec, inv, {}):
-        fixes.append("unpin " + ", ".join(sorted(pinned)) + " and let the planner choose")
+        binding = [k for k in sorted(pinned)  # a long enough engine context constrains nothing
+                   if not (k == "rollout.max_model_len" and pinned[k] >= job.seq)]
+        fixes.append("unpin " + ", ".join(binding) + " and let the planner choose")
     more = _fewest_gpus(spec, inv, pinned)
     if more:
         fixes.append(f"{more} GPUs of {inv.gpu_mem_gb:g} GB ({more // inv.per_node} node(s) of {inv.per_node})")
@@ -466,6 +504,7 @@ def render(plan: Plan) -> str:
     for name, g in plan.groups.items():
         lines.append(f"{name:{w}} {g['peak'] / GB:>11.1f}  {g['phase']}")
     lines.append(f"\nhost memory for offloaded states: {plan.host_bytes / GB:.0f} GB in all")
+    lines += plan.lengths
     lines.append("settings: " + " ".join(f"{k}={_yaml(v)}" + (" (pinned)" if k in plan.pinned else "")
                                          for k, v in plan.settings.items()))
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from elasticrl.plan import Inventory, PlanError, plan_job
+from elasticrl.plan import Inventory, PlanError, plan_job, render
 from elasticrl.plan.arch import KNOWN, arch_of
 from elasticrl.plan.memory import CONTEXT_BYTES, GB, NF4, TrainConfig, engine_need, model_states, trained_role
 from elasticrl.plan.planner import USABLE, fewer_ranks
@@ -234,3 +234,25 @@ def test_the_workstation_plans_lora_and_refuses_a_full_7b_ppo_for_its_host_memor
         plan = _plan(EXAMPLES / example, inv)
         assert plan.settings["train.offload_optimizer"] is False and plan.settings["train.offload_params"] is False
         assert "reference" not in plan.roles and plan.host_bytes <= 128 * GB, example
+
+
+def test_7b_dapo_with_8k_generations_is_planned_by_length_on_a_workstation_and_a_cluster():
+    """examples/dapo_7b_8k.yaml (1K prompts + 8K generations: 9,216-token sequences). On 4 x 24
+    GB: ZeRO-3 with the optimizer offloaded and checkpointing, one full-length sequence's tokens a
+    micro-batch (9,216: 28 layers x 2 h bytes a token checkpointed, 0.32 MB, plus fp32 logits of
+    8 x 152,064 bytes a token, 1.2 MB: 14.2 GB), the engines' context at 9,216 tokens; on 32 x 80
+    GB the same budget without checkpointing (3.41 MB a token: 34 h x 28 layers). On 2 x 16 GB
+    it is refused with the figure and the smallest change."""
+    work = _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(4, 24, host_mem_gb=256))
+    s = work.settings
+    assert (s["train.max_tokens_per_micro_batch"], s["rollout.max_model_len"]) == (9216, 9216)
+    assert s["model.gradient_checkpointing"] and s["train.zero_stage"] == 3 and s["train.offload_optimizer"]
+    assert "0.32 MB with checkpointing; a micro-batch of 9216 tokens (train.max_tokens_per_micro_batch): 14.2 GB" \
+        in render(work)
+    cluster = _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(32, 80, nodes=4))
+    assert cluster.settings["train.max_tokens_per_micro_batch"] == 9216
+    assert not cluster.settings["model.gradient_checkpointing"] and cluster.settings["rollout.tp_size"] == 1
+    assert "3.41 MB a token over 28 layers" in render(cluster) and "76 sequences of 9216 tokens" in render(cluster)
+    with pytest.raises(PlanError, match=r"the actor alone needs 17.1 GB per GPU in training .* Smallest change "
+                                        r"that fits: 2 GPUs of 24 GB"):
+        _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(2, 16))
