@@ -7,9 +7,12 @@ IGNORE = -100
 BLOCK = 2**26  # logits (fp32 values) converted at a time by token_logprobs: 256 MB
 
 
-def token_logprobs(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperature: float = 1.0,
+                   aligned: bool = False) -> torch.Tensor:
     """log p(labels[t+1] | tokens[:t+1]) for every position, aligned to ``labels[:, 1:]``, under
-    softmax(logits / temperature): the policy that sampled at that temperature.
+    softmax(logits / temperature): the policy that sampled at that temperature. ``aligned``:
+    ``labels[t]`` is already the token position t predicts (a sequence-parallel slice's), and
+    every position is scored.
 
     The chosen token's logit minus the log-sum-exp over the vocabulary, taken a block of rows
     at a time: no full-vocabulary log-softmax of the whole batch is made (in fp32 it would be
@@ -17,12 +20,12 @@ def token_logprobs(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperatur
 
     Returns ``[B, T-1]`` fp32; positions whose label is ``IGNORE`` hold 0.
     """
-    targets = labels_bt[:, 1:]
+    targets = labels_bt if aligned else labels_bt[:, 1:]
     safe = targets.clamp(min=0).unsqueeze(-1)
     rows = max(1, BLOCK // max(1, targets.shape[1] * logits_btv.shape[-1]))
     parts = []
     for start in range(0, logits_btv.shape[0], rows):
-        z_btv = logits_btv[start:start + rows, :-1].float()
+        z_btv = logits_btv[start:start + rows, :targets.shape[1]].float()
         if temperature != 1.0:
             z_btv = z_btv / temperature
         parts.append(z_btv.gather(-1, safe[start:start + rows]).squeeze(-1) - torch.logsumexp(z_btv, -1))

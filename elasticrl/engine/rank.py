@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save, save_file
 from elasticrl import backend
 from elasticrl.data.records import row_share, sample_indices
 from elasticrl.engine import checkpoint as ckpt
-from elasticrl.engine import state
+from elasticrl.engine import sequence, state
 from elasticrl.engine.budget import imbalance
 from elasticrl.engine.budget import plan as budget_plan
 from elasticrl.engine.strategy import build_engine, ds_config, init_distributed
@@ -46,7 +46,7 @@ class TrainRank:
             warnings.warn("model.dtype: bf16 on a CPU without AVX512-BF16/AMX runs ~50x slower than fp32; "
                           "use model.dtype: auto", stacklevel=1)
         self.tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code, spec.data.chat_template)
-        dp_size = world_size // train.tp_size
+        dp_size = world_size // train.tp_size // train.sp_size
         self.grad_accum = train.global_batch_size // (train.micro_batch_size * dp_size)
         cfg = ds_config(train, self.dtype, self.grad_accum)
         load = load_value_model if kind == "value" else load_causal_lm
@@ -59,7 +59,9 @@ class TrainRank:
             model.gradient_checkpointing_enable()
             if self.lora:  # the frozen embeddings' output must carry gradients into the checkpointed layers
                 model.enable_input_require_grads()
-        self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr)
+        # sequence parallelism: DeepSpeed sums gradients over each group of sp_size ranks
+        mpu = sequence.enable(model, train.sp_size, train.micro_batch_size) if train.sp_size > 1 else None
+        self.engine = build_engine(model, train, self.dtype, self.grad_accum, total_steps, lr=lr, mpu=mpu)
         self.model_path = model_path
         if resume and self.lora:
             ckpt.check_base(resume, model_path)
@@ -68,8 +70,11 @@ class TrainRank:
             rng = Path(resume) / f"rng_rank{rank}.safetensors"
             if rng.is_file() and state.saved_world_size(resume) == world_size:  # else the seeded start stays
                 backend.set_rng_state(load_file(str(rng)))
-        self.dp_rank, self.dp_size = data_parallel_info(train.tp_size)
-        self.is_dp_leader = tensor_parallel_rank(train.tp_size) == 0
+        # the data ranks: ZeRO's partitions (data_parallel_info) less the sequence-parallel peers
+        zero_rank, zero_size = data_parallel_info(train.tp_size)
+        self.sp_rank, self.sp_size = zero_rank % train.sp_size, train.sp_size
+        self.dp_rank, self.dp_size = zero_rank // train.sp_size, zero_size // train.sp_size
+        self.is_dp_leader = tensor_parallel_rank(train.tp_size) == 0 and self.sp_rank == 0
         self.sender = None
         self._writer: _Writer | None = None            # the last save's writes (``saved``)
         self._staging: torch.Tensor | None = None      # its host buffer, which the next save reuses
@@ -107,6 +112,22 @@ class TrainRank:
         self._micro_count = self._micro_left = len(mine)
         take = (lambda m: index[torch.tensor(m)]) if torch.is_tensor(index) else (lambda m: [index[j] for j in m])
         return [None if m is None else take(m) for m in mine]
+
+    def sequence_slice(self, mb):
+        """A micro-batch (``Experience``) as this rank trains on it: whole, and no position ids,
+        or under sequence parallelism its slice of the positions (``sequence.slice_rows``)."""
+        return (mb, None) if self.sp_size == 1 else sequence.slice_rows(mb, self.sp_rank, self.sp_size)
+
+    def sequence_sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over this rank's sequence-parallel group (each holds its slices' shares)."""
+        if self.sp_size == 1:
+            return values
+        import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=groups.get_sequence_parallel_group())
+        return t.tolist()
 
     def token_imbalance(self, lengths: list[int]) -> float:
         """How many more tokens the busiest data-parallel rank gets of a mini-batch of these

@@ -89,8 +89,9 @@ def make_optimizer(model: torch.nn.Module, train: TrainSpec, lr: float):
 
 
 def build_engine(model: torch.nn.Module, train: TrainSpec, dtype: str, grad_accum: int,
-                 total_steps: int, lr: float | None = None):
-    """Wrap ``model`` in a DeepSpeed engine with optimizer and warm-up/cosine schedule."""
+                 total_steps: int, lr: float | None = None, mpu=None):
+    """Wrap ``model`` in a DeepSpeed engine with optimizer and warm-up/cosine schedule; ``mpu``:
+    the sequence-parallel groups (``engine.sequence``)."""
     import deepspeed
 
     lr = train.lr if lr is None else lr
@@ -102,5 +103,5 @@ def build_engine(model: torch.nn.Module, train: TrainSpec, dtype: str, grad_accu
         return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, train.min_lr_ratio))
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config(train, dtype, grad_accum))
+                                      config=ds_config(train, dtype, grad_accum), mpu=mpu)
     return engine

@@ -91,12 +91,15 @@ def load_value_model(path: str | Path, trust_remote_code: bool = False, ds_confi
     return model
 
 
-def token_values(model, input_ids, attention_mask, packed: bool = False):
+def token_values(model, input_ids, attention_mask, packed: bool = False, position_ids=None):
     """Scalar head applied at every position: [B, T] (of a LoRA critic: its adapters, its head);
-    ``packed``: the right-padded rows' tokens laid end to end (``scoring.packed_forward``)."""
+    ``packed``: the right-padded rows' tokens laid end to end (``scoring.packed_forward``);
+    ``position_ids``: the positions of a sequence-parallel slice (``engine.sequence``)."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
     base = getattr(model, model.base_model_prefix)
-    if packed:
+    if position_ids is not None:
+        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    elif packed:
         from elasticrl.models.scoring import packed_forward
 
         hidden = packed_forward(lambda **kw: base(**kw, use_cache=False).last_hidden_state, input_ids, attention_mask)

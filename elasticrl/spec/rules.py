@@ -65,7 +65,9 @@ def _train(spec: JobSpec, here: bool) -> None:
     t = spec.train
     if t.num_ranks % t.tp_size:
         raise SpecError("train.tp_size", f"must divide train.num_ranks ({t.num_ranks}), got {t.tp_size}")
-    per_step = t.micro_batch_size * (t.num_ranks // t.tp_size)
+    if t.sp_size > 1:
+        _sequence_parallel(spec)
+    per_step = t.micro_batch_size * (t.num_ranks // t.tp_size // t.sp_size)
     if t.global_batch_size % per_step:
         raise SpecError("train.global_batch_size",
                         f"must be a multiple of micro_batch_size x data-parallel ranks = {per_step}, "
@@ -79,6 +81,22 @@ def _train(spec: JobSpec, here: bool) -> None:
     if t.max_tokens_per_micro_batch and (alg.pairs or alg.unpaired):
         raise SpecError("train.max_tokens_per_micro_batch", f"{spec.algorithm}'s micro-batches are counted in rows "
                         "(data.packing lays them end to end); set it to 0 and size train.micro_batch_size")
+
+
+def _sequence_parallel(spec: JobSpec) -> None:
+    t, field = spec.train, "train.sp_size"
+    if ALGORITHMS[spec.algorithm].family != "rl":
+        raise SpecError(field, f"slices the RL actor's and critic's sequences; {spec.algorithm} trains whole ones: "
+                               "set 1")
+    if t.num_ranks % t.sp_size or (ALGORITHMS[spec.algorithm].critic and spec.critic.num_ranks % t.sp_size):
+        raise SpecError(field, f"must divide train.num_ranks ({t.num_ranks})"
+                        + (f" and critic.num_ranks ({spec.critic.num_ranks})" if ALGORITHMS[spec.algorithm].critic
+                           else "") + f", got {t.sp_size}")
+    if t.tp_size > 1:
+        raise SpecError(field, "does not combine with train.tp_size > 1; slice sequences or tensors, not both")
+    if spec.data.packing:
+        raise SpecError(field, "slices padded rows; packed rows need their block masks whole: set data.packing: "
+                               "false")
 
 
 def _model(spec: JobSpec, here: bool) -> None:

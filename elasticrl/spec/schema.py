@@ -140,6 +140,10 @@ class TrainSpec:
     offload_optimizer: bool = doc("Keep optimizer states in CPU memory (ZeRO 1-3).", False)
     offload_params: bool = doc("Keep parameters in CPU memory (ZeRO 3 only).", False)
     tp_size: int = doc("DeepSpeed AutoTP tensor-parallel size (divides num_ranks).", 1, min=1)
+    sp_size: int = doc("Sequence-parallel size (divides num_ranks): that many ranks train each micro-batch, each "
+                       "on a slice of its positions, attention trading slices for heads (DeepSpeed's Ulysses); a "
+                       "rank keeps about 1/sp_size of the activations. RL's actor and critic (docs/long-sequences.md).",
+                       1, min=1)
     threads: int = doc("CPU threads of each trainer rank and of the frozen models' ranks (reference, reward). "
                        "0: on a machine without GPUs `elasticrl run` sets it (the cores over the ranks; see "
                        "`plan/cpu.py`), elsewhere one per rank as Ray gives.", 0, min=0)

@@ -19,6 +19,7 @@ from elasticrl.algorithms.kl import KL_ESTIMATORS
 from elasticrl.algorithms.logprobs import masked_sum, response_mask, token_logprobs
 from elasticrl.algorithms.losses import aggregate, entropy_from_logits, policy_loss, value_loss
 from elasticrl.data.records import pad_batch, read_records, row_share, sample_indices, tokenize_sft
+from elasticrl.engine import sequence
 from elasticrl.engine.budget import plan as budget_plan
 from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
@@ -108,9 +109,13 @@ class ActorWorker(_TrainedRole):
         with self.core.engine.module.disable_adapter():
             return self.logprobs(batch)
 
-    def _logits(self, mb: Experience, model=None) -> torch.Tensor:
-        """The logits of the policy, or of ``model``, padded or (data.packing) packed."""
+    def _logits(self, mb: Experience, model=None, positions=None) -> torch.Tensor:
+        """The logits of the policy, or of ``model``, padded or (data.packing) packed, or of a
+        sequence-parallel slice at ``positions`` (no mask: right padding under causal attention)."""
         model = self.core.engine if model is None else model
+        if positions is not None:
+            with sequence.sliced():
+                return model(input_ids=mb.input_ids, position_ids=positions, use_cache=False).logits
         if self.spec.data.packing:
             return packed_forward(lambda **kw: model(**kw, use_cache=False).logits, mb.input_ids, mb.attention_mask)
         return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
@@ -129,12 +134,14 @@ class ActorWorker(_TrainedRole):
         for k, index in enumerate(_minibatches(num_rows, self.train.global_batch_size, rl.epochs, s.seed + step)):
             denom = _denominators(batch, index, self.spec)
             worst = max(worst, self.core.token_imbalance(batch.attention_mask[index].sum(1).tolist()))
-            for mb, part in self._micro(batch, index):
-                logits = self._logits(mb)
+            for whole, part in self._micro(batch, index):
+                mb, positions = self.core.sequence_slice(whole)
+                logits = self._logits(mb, positions=positions)
                 if part is None:  # the collectives' turn of an empty micro-batch, with no weight
                     self.core.backward(logits.sum() * 0)
                     continue
-                logp = token_logprobs(logits, mb.labels, rl.temperature)
+                sliced = positions is not None  # a slice's last position predicts the next slice's first token
+                logp = token_logprobs(logits, mb.labels, rl.temperature, aligned=sliced)
                 mask = mb.response_mask
                 # on-policy (rl.old_logprobs: auto): the policy before this update is this one
                 old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
@@ -151,14 +158,14 @@ class ActorWorker(_TrainedRole):
                 if mb.old_logprobs is None and mb.ref_logprobs is not None:  # the experience phase had none
                     pstats["kl"] = aggregate(kl_fn(old, mb.ref_logprobs), mask, "token_mean").item()
                 with torch.set_grad_enabled(rl.entropy_coef > 0):  # else only reported: no graph kept for it
-                    entropy_bt = entropy_from_logits(_tempered(logits[:, :-1], rl.temperature))
+                    entropy_bt = entropy_from_logits(_tempered(logits if sliced else logits[:, :-1], rl.temperature))
                 if rl.entropy_coef > 0:
                     total = total - rl.entropy_coef * aggregate(entropy_bt, mask, rl.loss_aggregation, **denom)
                 ent = aggregate(entropy_bt.detach(), mask, "token_mean")  # reported as a plain token mean
                 pstats["entropy"] = ent.item()
                 if rl.ptx_coef > 0:  # a mean over its own tokens, not a share of the global batch
                     total = total + rl.ptx_coef * self._ptx_loss(step * 1000 + k, len(index)) / \
-                        (self.core.dp_size * self.core.micro_count)
+                        (self.core.dp_size * self.core.micro_count * self.core.sp_size)  # whole on each peer
                 self.core.backward(total)
                 loss_sum += loss.item()  # global-denominator share: summed over ranks = the loss
                 n = int(mask.sum())  # the means are token means: weighted by tokens, any cut reports the same
@@ -166,7 +173,10 @@ class ActorWorker(_TrainedRole):
                     stats[key] = stats.get(key, 0.0) + v * n
                 tokens += n
             minibatches += 1
-        out = {k: v / max(tokens, 1) for k, v in stats.items()}
+        keys = sorted(stats)  # each sequence-parallel rank holds its slices' shares
+        loss_sum, kl_loss_sum, tokens, *sums = self.core.sequence_sum([loss_sum, kl_loss_sum, tokens,
+                                                                       *(stats[k] for k in keys)])
+        out = {k: v / max(tokens, 1) for k, v in zip(keys, sums)}
         out.update(policy_loss_sum=loss_sum, minibatches=minibatches, leader=self.core.is_dp_leader, tokens=tokens,
                    token_imbalance=worst)
         if rl.kl_coef > 0 and rl.kl_mode == "loss":
@@ -213,8 +223,12 @@ class CriticWorker(_TrainedRole):
                                   self.spec.seed + step + 1):
             minibatches += 1
             denom = _denominators(batch, index, self.spec)
-            for mb, part in self._micro(batch, index):
-                values = token_values(engine.module, mb.input_ids, mb.attention_mask, self.spec.data.packing)[:, :-1]
+            for whole, part in self._micro(batch, index):
+                mb, positions = self.core.sequence_slice(whole)
+                with sequence.sliced(positions is not None):
+                    values = token_values(engine.module, mb.input_ids, mb.attention_mask, self.spec.data.packing,
+                                          positions)
+                values = values if positions is not None else values[:, :-1]  # a slice's are aligned
                 if part is None:  # an empty micro-batch: the collectives' turn, with no weight
                     self.core.backward(values.sum() * 0)
                     continue

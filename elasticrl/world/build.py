@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the spec's schema reads the world's presets: no import of i
     from elasticrl.spec.schema import WorldSpec
 
 DATASETS = ("sft", "rl_prompts", "preference", "eval", "preference_eval", "prm", "prm_eval")
-FORMAT_VERSION = 4  # bump when what a world contains changes
+FORMAT_VERSION = 5  # bump when what a world contains changes (5: models take 8,192 positions)
 
 
 def cache_root() -> Path:

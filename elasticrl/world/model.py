@@ -16,7 +16,7 @@ def tiny_config(preset: str, tokenizer) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=inter,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=hidden // heads, max_position_embeddings=512, rms_norm_eps=1e-5,
+        head_dim=hidden // heads, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

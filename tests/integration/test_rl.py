@@ -201,7 +201,8 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
     packed (data.packing: the policy's and the reference's forwards on the rows laid end to end,
     equal to the padded ones within the comparison's 1e-4) and cut by tokens
     (train.max_tokens_per_micro_batch: several micro-batches of varying rows against one of 32,
-    the same loss, KL, entropy and gradient norm). The reward is the share of
+    the same loss, KL, entropy and gradient norm); and so does one on two sequence-parallel ranks
+    (train.sp_size: 2, each training on half of every row's positions). The reward is the share of
     digits in a completion, which varies within a group whatever the samples (the verifier's
     could be 0 for all 32 on some CPU kinds, and then nothing moves)."""
     sets = BASE + [HF_ENGINE, "train.num_ranks=1", "train.global_batch_size=32", "train.micro_batch_size=32",
@@ -209,20 +210,21 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_learns_the_same(ray
                    "eval.enabled=false", "rl.kl_coef=0.05", "rl.kl_mode=loss", "rl.kl_estimator=k3",
                    "rewards.functions=[{path: 'tests.integration.faults:digit_share'}]"]
     runs = {}
-    for mode in ("auto", "forward"):
-        packed = ["data.packing=true", "train.max_tokens_per_micro_batch=160"] if mode == "forward" else []
-        run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + [f"rl.old_logprobs={mode}", *packed]), tmp_path / mode)
-        runs[mode] = _steps(tmp_path / mode)
-    assert sorted(runs["auto"]) == sorted(runs["forward"]) == [1, 2]
+    for name, extra in {"auto": [], "forward": ["rl.old_logprobs=forward", "data.packing=true",
+                                                "train.max_tokens_per_micro_batch=160"],
+                        "sp2": ["train.num_ranks=2", "train.sp_size=2"]}.items():
+        run_rl(load_spec(EXAMPLES / "tiny_grpo.yaml", sets + extra), tmp_path / name)
+        runs[name] = _steps(tmp_path / name)
+    assert sorted(runs["auto"]) == sorted(runs["forward"]) == sorted(runs["sp2"]) == [1, 2]
     for step, row in runs["auto"].items():
-        other = runs["forward"][step]
         assert row["approx_kl"] == 0.0 and row["clip_frac"] == 0.0
-        assert row["reward/mean"] == other["reward/mean"] and row["response_length"] == other["response_length"]
         # single-turn, nothing filtered: the generated tokens' mean is the trained response length
         tail = [row[f"rollout/response_length/{k}"] for k in ("p50", "p90", "max")]
         assert row["rollout/response_length/mean"] == pytest.approx(row["response_length"]) and tail == sorted(tail)
-        for key in ("policy_loss", "kl_loss", "kl", "entropy", "grad_norm"):
-            assert row[key] == pytest.approx(other[key], abs=1e-4), (step, key, row[key], other[key])
+        for other in (runs["forward"][step], runs["sp2"][step]):
+            assert row["reward/mean"] == other["reward/mean"] and row["response_length"] == other["response_length"]
+            for key in ("policy_loss", "kl_loss", "kl", "entropy", "grad_norm"):
+                assert row[key] == pytest.approx(other[key], abs=1e-4), (step, key, row[key], other[key])
     # the reference is scored and the KL reported either way: 0 while the policy is the reference
     assert abs(runs["auto"][1]["kl"]) < 1e-6 and runs["auto"][2]["kl"] > 1e-6
 

@@ -16,7 +16,7 @@ from elasticrl.world.tokenizer import VOCAB_SIZE, build_tokenizer
 
 # Recorded from a build of the default world (torch 2.13.0, transformers 5.19.0). A change
 # here means users' worlds changed: bump build.FORMAT_VERSION and record the new values.
-DEFAULT_WORLD_SHA256 = "c46b7e3dc9a8ba6cddd0e651102f716a598fb381a6d12734fb20e46614456d2c"
+DEFAULT_WORLD_SHA256 = "f5e435cd047e7d64a121a46523a1d1d300a06119c8c5eb7e0006b4ec81505c28"  # 5: 8,192 positions
 DEFAULT_DATA_SHA256 = {
     "eval.jsonl": "b3ec73d17c4b02c2a0fd64d369c3a01b1afd4c2c324cd8c364292c40d769c572",
     "preference.jsonl": "ac9d77a7e9bc054758080ae7edb97b5856823a9440da0d14c652810e69d49af2",
