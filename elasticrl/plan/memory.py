@@ -33,6 +33,7 @@ class TrainConfig:
     tp: int = 1
     adapters: int = 0  # LoRA: the parameters that train (adapters, a critic's head; the base frozen); 0: all
     quantized: bool = False  # QLoRA: the frozen base in 4 bits (ZeRO 0-2)
+    sp: int = 1  # sequence-parallel size: a rank keeps the activations of 1/sp of each sequence
 
 
 def model_states(params: float, n: int, zero_stage: int, offload_optimizer: bool = False,
@@ -114,8 +115,8 @@ def trained_role(arch: Arch, head: str, n: int, cfg: TrainConfig, seq: int,
     working = zero3_working_set(arch) / cfg.tp if cfg.zero_stage == 3 else 0.0
     return {"rollout": resident - idle,
             "experience": resident - idle + working + forward_activations(arch, cfg.micro_batch, seq, head),
-            "train": resident + working + train_activations(arch, cfg.micro_batch, seq, cfg.checkpointing, head,
-                                                            cfg.tp),
+            "train": resident + working + train_activations(arch, cfg.micro_batch, -(-seq // cfg.sp),
+                                                            cfg.checkpointing, head, cfg.tp),
             "host": states["host"] + idle}
 
 

@@ -41,7 +41,7 @@ PLANNED = ("train.num_ranks", "train.zero_stage", "train.offload_optimizer", "tr
            "train.micro_batch_size", "model.gradient_checkpointing", "critic.num_ranks", "placement.colocate",
            "placement.offload_idle", "placement.reference_ranks", "placement.reward_ranks",
            "rollout.num_engines", "rollout.tp_size", "rollout.gpu_memory_utilization", "rollout.max_model_len",
-           "train.max_tokens_per_micro_batch")
+           "train.max_tokens_per_micro_batch", "train.sp_size")
 PHASES = ("rollout", "experience", "train")
 USABLE = 0.95            # share of a GPU's memory the plan may fill
 ENGINE_UTILIZATION = 0.9  # vLLM's share of a GPU it has alone
@@ -169,16 +169,28 @@ def _trained(job: _Job, role: str) -> int:
 def _train_configs(job: _Job) -> list[tuple[TrainConfig, float]]:
     """(config without micro-batch, slow-down factor) for each allowed ZeRO/offload/checkpointing."""
     out, quantized = [], job.spec.model.lora.quantize != "none"
-    for stage, opt, par, ckpt in itertools.product(
+    for stage, opt, par, ckpt, sp in itertools.product(
             _choices("train.zero_stage", job.pinned, [2, 3]), _choices("train.offload_optimizer", job.pinned,
                                                                        [False, True]),
             _choices("train.offload_params", job.pinned, [False, True]),
-            _choices("model.gradient_checkpointing", job.pinned, [False, True])):
+            _choices("model.gradient_checkpointing", job.pinned, [False, True]),
+            _choices("train.sp_size", job.pinned, _sp_sizes(job))):
         if (par and stage != 3) or (opt and stage == 0) or (quantized and stage == 3):
             continue
-        slow = (1.33 if ckpt else 1.0) * (1.3 if opt else 1.0) * (2.0 if par else 1.0) * (1.1 if stage == 3 else 1.0)
-        out.append((TrainConfig(stage, opt, par, 0, ckpt, job.spec.train.tp_size, quantized=quantized), slow))
+        slow = (1.33 if ckpt else 1.0) * (1.3 if opt else 1.0) * (2.0 if par else 1.0) * (1.1 if stage == 3 else 1.0) \
+            * 1.12 ** math.log2(sp)
+        out.append((TrainConfig(stage, opt, par, 0, ckpt, job.spec.train.tp_size, quantized=quantized, sp=sp), slow))
     return out
+
+
+def _sp_sizes(job: _Job) -> list[int]:
+    """Sequence-parallel sizes for an RL job's actor and critic (not with tensor parallelism or
+    packing), dividing the heads; each doubling's all-to-alls cost about a tenth more of the update
+    (the 1.12 a doubling in ``_train_configs``), so a plan slices sequences where it needs to."""
+    t, spec = job.spec.train, job.spec
+    if not is_rl(spec) or t.tp_size > 1 or spec.data.packing:
+        return [1]
+    return [s for s in (1, 2, 4, 8) if job.arch.heads % s == 0 and s <= job.inv.gpus]
 
 
 def _micro_batches(job: _Job, ranks: int) -> list[int]:
@@ -285,6 +297,10 @@ def _evaluate(job: _Job, cfg: TrainConfig, coloc: str, ranks: dict, engines: int
               offload_idle: bool) -> Plan | None:
     a, inv = job.arch, job.inv
     gpu = inv.gpu_mem_gb * GB
+    trained = [ranks[r] for r in ("actor", "critic") if r in job.roles]
+    if any(n % cfg.sp for n in trained) or not all(_whole_batches(job.spec.train.global_batch_size, cfg.micro_batch,
+                                                                   n // cfg.sp) for n in trained if n >= cfg.sp):
+        return None  # sequence-parallel groups must fill the ranks and keep whole micro-batches
     mem: dict[str, dict] = {}
     for role, head in job.roles.items():
         if role in ("actor", "critic"):
@@ -347,8 +363,10 @@ def _lengths(job: _Job, cfg: TrainConfig, tp: int, engine_bytes: float, settings
              f"{(a.layers * HALF * a.hidden + per_token) / 1e6:.2f} MB with checkpointing; a micro-batch of {tokens} "
              "tokens"
              + (" (train.max_tokens_per_micro_batch)" if "train.max_tokens_per_micro_batch" in settings else "")
-             + f": {train_activations(a, 1, tokens, cfg.checkpointing, 'lm', cfg.tp) / GB:.1f} GB with the "
-             f"logits{', checkpointed' if cfg.checkpointing else ''}; sequence parallelism: none (sp 1)"]
+             + f": {train_activations(a, 1, -(-tokens // cfg.sp), cfg.checkpointing, 'lm', cfg.tp) / GB:.1f} GB a "
+             f"rank with the logits{', checkpointed' if cfg.checkpointing else ''}"
+             + (f", each of {cfg.sp} sequence-parallel ranks holding 1/{cfg.sp} of every sequence (train.sp_size)"
+                if cfg.sp > 1 else "; no sequence parallelism")]
     if "rollout" in job.roles:
         kv = engine_bytes - HALF * a.params() / tp - CONTEXT_BYTES
         per_seq = seq * a.kv_bytes_per_token() / tp
@@ -392,6 +410,8 @@ def _settings(job, cfg, coloc, ranks, engines, tp, offload_idle, util) -> dict:
     s = {"train.num_ranks": ranks["actor"], "train.zero_stage": cfg.zero_stage,
          "train.offload_optimizer": cfg.offload_optimizer, "train.offload_params": cfg.offload_params,
          "train.micro_batch_size": cfg.micro_batch, "model.gradient_checkpointing": cfg.checkpointing}
+    if cfg.sp > 1 or "train.sp_size" in job.pinned:
+        s["train.sp_size"] = cfg.sp
     if is_rl(job.spec) and job.spec.rl.max_new_tokens >= LONG:
         # long generations vary in length: cut micro-batches by the tokens the memory model gave
         # room for (a micro-batch's rows at full length), so short ones share a micro-batch
@@ -475,8 +495,9 @@ def _obstacle(job: _Job) -> str | None:
             return (f"a vLLM engine needs {need / GB:.1f} GB per GPU even at tensor-parallel size {tps[-1]} "
                     f"(the most GPUs of one node that divide {a.heads} heads)")
     quantized = job.spec.model.lora.quantize != "none"  # ZeRO-2 at most
+    sp = job.pinned.get("train.sp_size", max(_sp_sizes(job)))
     leanest = TrainConfig(2 if quantized else 3, True, not quantized, 1, True, job.spec.train.tp_size,
-                          quantized=quantized)
+                          quantized=quantized, sp=sp)
     for role in ("actor", "critic"):
         if role in job.roles:
             m = trained_role(a, job.roles[role], inv.gpus, dataclasses.replace(leanest, adapters=_trained(job, role)),
@@ -484,7 +505,8 @@ def _obstacle(job: _Job) -> str | None:
             if m["train"] > gpu:
                 lean = "ZeRO-2 (a 4-bit base)" if quantized else "ZeRO-3, parameter"
                 return (f"the {role} alone needs {m['train'] / GB:.1f} GB per GPU in training even with {lean} "
-                        f"and optimizer offload, checkpointing and micro-batch 1 on all {inv.gpus} GPUs")
+                        f"and optimizer offload, checkpointing, micro-batch 1"
+                        + (f" and sequence-parallel size {sp}" if sp > 1 else "") + f" on all {inv.gpus} GPUs")
     return None
 
 

@@ -1,6 +1,6 @@
 """One rank of tests/engine/test_sequence.py's check: the tiny world's actor or critic worker
 (``ROLE``) on ``WORLD`` ranks at sequence-parallel size ``WORLD`` trains one step on two rows of
-4,096 and 3,000 tokens (fp32, SDPA attention), having first measured the bytes its training
+4,096 and 3,012 tokens (fp32, SDPA attention), having first measured the bytes its training
 forward keeps for backward (saved tensors, each storage once). Rank 0 prints one line: PROBE
 {figures}.
 

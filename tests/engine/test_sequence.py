@@ -1,6 +1,6 @@
 """Sequence parallelism (train.sp_size, engine/sequence.py): two ranks, each training on half of
 every row's positions, give one rank's loss, gradient norm and updated weights on rows of 4,096
-and 3,000 tokens, for the actor (clipped policy loss, KL as a loss, entropy bonus) and the critic
+and 3,012 tokens, for the actor (clipped policy loss, KL as a loss, entropy bonus) and the critic
 (clipped value loss); and each rank keeps at most 0.6 of the activations one rank keeps whole."""
 from __future__ import annotations
 

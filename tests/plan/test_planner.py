@@ -238,21 +238,22 @@ def test_the_workstation_plans_lora_and_refuses_a_full_7b_ppo_for_its_host_memor
 
 def test_7b_dapo_with_8k_generations_is_planned_by_length_on_a_workstation_and_a_cluster():
     """examples/dapo_7b_8k.yaml (1K prompts + 8K generations: 9,216-token sequences). On 4 x 24
-    GB: ZeRO-3 with the optimizer offloaded and checkpointing, one full-length sequence's tokens a
-    micro-batch (9,216: 28 layers x 2 h bytes a token checkpointed, 0.32 MB, plus fp32 logits of
-    8 x 152,064 bytes a token, 1.2 MB: 14.2 GB), the engines' context at 9,216 tokens; on 32 x 80
-    GB the same budget without checkpointing (3.41 MB a token: 34 h x 28 layers). On 2 x 16 GB
-    it is refused with the figure and the smallest change."""
+    GB: ZeRO-3 with the optimizer offloaded and one full-length sequence's tokens a micro-batch
+    (9,216), sliced over 4 sequence-parallel ranks without checkpointing (3.41 MB a token: 34 h
+    bytes x 28 layers, plus fp32 logits of 8 x 152,064 bytes, 1.2 MB: 42.6 GB whole, 10.7 GB a
+    rank), the engines' context at 9,216 tokens; on 32 x 80 GB the same budget whole, without
+    checkpointing (42.7 GB) or slicing. On 1 x 16 GB it is refused with the figure and the
+    smallest change."""
     work = _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(4, 24, host_mem_gb=256))
     s = work.settings
-    assert (s["train.max_tokens_per_micro_batch"], s["rollout.max_model_len"]) == (9216, 9216)
-    assert s["model.gradient_checkpointing"] and s["train.zero_stage"] == 3 and s["train.offload_optimizer"]
-    assert "0.32 MB with checkpointing; a micro-batch of 9216 tokens (train.max_tokens_per_micro_batch): 14.2 GB" \
-        in render(work)
+    assert (s["train.max_tokens_per_micro_batch"], s["rollout.max_model_len"], s["train.sp_size"]) == (9216, 9216, 4)
+    assert not s["model.gradient_checkpointing"] and s["train.zero_stage"] == 3 and s["train.offload_optimizer"]
+    assert "a micro-batch of 9216 tokens (train.max_tokens_per_micro_batch): 10.7 GB a rank" in render(work)
     cluster = _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(32, 80, nodes=4))
-    assert cluster.settings["train.max_tokens_per_micro_batch"] == 9216
+    assert cluster.settings["train.max_tokens_per_micro_batch"] == 9216 and "train.sp_size" not in cluster.settings
     assert not cluster.settings["model.gradient_checkpointing"] and cluster.settings["rollout.tp_size"] == 1
     assert "3.41 MB a token over 28 layers" in render(cluster) and "76 sequences of 9216 tokens" in render(cluster)
-    with pytest.raises(PlanError, match=r"the actor alone needs 17.1 GB per GPU in training .* Smallest change "
-                                        r"that fits: 2 GPUs of 24 GB"):
-        _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(2, 16))
+    assert "42.7 GB a rank" in render(cluster)
+    with pytest.raises(PlanError, match=r"a vLLM engine needs 16.8 GB per GPU .* Smallest change that fits: 1 GPUs "
+                                        r"of 24 GB"):
+        _plan(EXAMPLES / "dapo_7b_8k.yaml", Inventory(1, 16))
