@@ -97,6 +97,9 @@ def _sequence_parallel(spec: JobSpec) -> None:
     if spec.data.packing:
         raise SpecError(field, "slices padded rows; packed rows need their block masks whole: set data.packing: "
                                "false")
+    if spec.rl.ptx_coef > 0:
+        raise SpecError(field, "slices the RL sequences, not rl.ptx_coef's SFT ones (whole on every rank): set "
+                               "rl.ptx_coef: 0")
 
 
 def _model(spec: JobSpec, here: bool) -> None:

@@ -136,11 +136,12 @@ class ActorWorker(_TrainedRole):
             worst = max(worst, self.core.token_imbalance(batch.attention_mask[index].sum(1).tolist()))
             for whole, part in self._micro(batch, index):
                 mb, positions = self.core.sequence_slice(whole)
+                sliced = positions is not None  # a slice's last position predicts the next slice's first token
                 logits = self._logits(mb, positions=positions)
                 if part is None:  # the collectives' turn of an empty micro-batch, with no weight
-                    self.core.backward(logits.sum() * 0)
+                    with sequence.sliced(sliced):  # (checkpointed layers recompute sliced too)
+                        self.core.backward(logits.sum() * 0)
                     continue
-                sliced = positions is not None  # a slice's last position predicts the next slice's first token
                 logp = token_logprobs(logits, mb.labels, rl.temperature, aligned=sliced)
                 mask = mb.response_mask
                 # on-policy (rl.old_logprobs: auto): the policy before this update is this one
@@ -165,8 +166,9 @@ class ActorWorker(_TrainedRole):
                 pstats["entropy"] = ent.item()
                 if rl.ptx_coef > 0:  # a mean over its own tokens, not a share of the global batch
                     total = total + rl.ptx_coef * self._ptx_loss(step * 1000 + k, len(index)) / \
-                        (self.core.dp_size * self.core.micro_count * self.core.sp_size)  # whole on each peer
-                self.core.backward(total)
+                        (self.core.dp_size * self.core.micro_count)
+                with sequence.sliced(sliced):
+                    self.core.backward(total)
                 loss_sum += loss.item()  # global-denominator share: summed over ranks = the loss
                 n = int(mask.sum())  # the means are token means: weighted by tokens, any cut reports the same
                 for key, v in pstats.items():
@@ -225,16 +227,16 @@ class CriticWorker(_TrainedRole):
             denom = _denominators(batch, index, self.spec)
             for whole, part in self._micro(batch, index):
                 mb, positions = self.core.sequence_slice(whole)
-                with sequence.sliced(positions is not None):
+                with sequence.sliced(positions is not None):  # forward and backward (checkpointed recomputes)
                     values = token_values(engine.module, mb.input_ids, mb.attention_mask, self.spec.data.packing,
                                           positions)
-                values = values if positions is not None else values[:, :-1]  # a slice's are aligned
-                if part is None:  # an empty micro-batch: the collectives' turn, with no weight
-                    self.core.backward(values.sum() * 0)
-                    continue
-                loss = value_loss(values, mb.old_values, mb.returns, mb.response_mask,
-                                  clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
-                total += self.core.backward(loss)
+                    values = values if positions is not None else values[:, :-1]  # a slice's are aligned
+                    if part is None:  # an empty micro-batch: the collectives' turn, with no weight
+                        self.core.backward(values.sum() * 0)
+                        continue
+                    loss = value_loss(values, mb.old_values, mb.returns, mb.response_mask,
+                                      clip=critic.value_clip, aggregation=rl.loss_aggregation, **denom)
+                    total += self.core.backward(loss)
         return {"value_loss_sum": total, "minibatches": minibatches, "critic_lr": engine.get_lr()[0]}
 
 

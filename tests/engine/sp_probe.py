@@ -1,5 +1,6 @@
-"""One rank of tests/engine/test_sequence.py's check: the tiny world's actor or critic worker
-(``ROLE``) on ``WORLD`` ranks at sequence-parallel size ``WORLD`` trains one step on two rows of
+"""One rank of tests/engine/test_sequence.py's check: the tiny world's actor (LoRA adapters, ZeRO-2)
+or critic (ZeRO-3, gradient checkpointing) worker (``ROLE``) on ``WORLD`` ranks at
+sequence-parallel size ``WORLD`` trains one step on two rows of
 4,096 and 3,012 tokens (fp32, SDPA attention), having first measured the bytes its training
 forward keeps for backward (saved tensors, each storage once). Rank 0 prints one line: PROBE
 {figures}.
@@ -29,7 +30,10 @@ def main() -> None:
     spec = load_spec(EXAMPLES / "tiny_ppo.yaml", [
         "model.dtype=fp32", f"train.num_ranks={world}", f"critic.num_ranks={world}", f"train.sp_size={world}",
         "train.global_batch_size=2", "train.micro_batch_size=2", "rl.kl_coef=0.05", "rl.kl_mode=loss",
-        "rl.entropy_coef=0.01", "rl.max_new_tokens=4096", "train.warmup_ratio=0", "train.lr=1e-3"])
+        "rl.entropy_coef=0.01", "rl.max_new_tokens=4096", "train.warmup_ratio=0", "train.lr=1e-3",
+        # the actor with LoRA adapters on ZeRO-2, the critic on ZeRO-3 with gradient checkpointing
+        *(["model.lora.rank=8", "model.lora.alpha=16"] if role == "actor" else
+          ["train.zero_stage=3", "model.gradient_checkpointing=true"])])
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(6, 100, (12,), generator=g).tolist() for _ in range(2)]
