@@ -70,35 +70,36 @@ def _run(cmd: list[str], first_step, memory: bool) -> dict:
             "peak_pss_gb": peak["pss"] / 1e9, "out": out}
 
 
-def _elasticrl(args, model_dir: Path, sets: list[str], memory: bool) -> dict:
+def _elasticrl(args, model_dir: Path, sets: list[str], memory: bool, spec: Path = SPEC) -> dict:
     out = Path(tempfile.mkdtemp(prefix="rl-step-"))
     metrics = out / "run" / METRICS
 
     def step1(line):  # metrics.jsonl gets step 1's row when it ends
         return line is None and metrics.is_file() and '"step": 1,' in metrics.read_text()
 
-    r = _run([str(ROOT / ".venv/bin/elasticrl"), "run", str(SPEC), "--output", str(out / "run"), "--set",
+    r = _run([str(ROOT / ".venv/bin/elasticrl"), "run", str(spec), "--output", str(out / "run"), "--set",
               f"rl.num_steps={args.steps}", "--set", f"model.dtype={args.dtype}",
               *(x for kv in sets for x in ("--set", kv))], step1, memory)
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     steps = [x for x in rows if x["step"] > 1]
     return {"framework": "elasticrl", "s_per_step": statistics.median(x["time/step"] for x in steps),
             **{k: statistics.median(x[f"time/{k}"] for x in steps) for k in ("rollout", "experience", "train", "sync")},
-            "completion_tokens": [round(x["response_length"] * 64) for x in rows if x["step"] > 0],
+            "completion_tokens": [round(x["response_length"] * args.batch) for x in rows if x["step"] > 0],
             "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"], "peak_pss_gb": r["peak_pss_gb"]}
 
 
-def _trl(args, model_dir: Path, prompts: Path, memory: bool) -> dict:
+def _trl(args, model_dir: Path, prompts: Path, memory: bool, extra: tuple[str, ...] = ()) -> dict:
+    """``extra``: trl_grpo.py's own flags (its completion tokens and batch)."""
     r = _run([str(TRL_PYTHON), str(ROOT / "benchmarks/trl_grpo.py"), str(model_dir), str(prompts), "--steps",
-              str(args.steps), "--dtype", args.dtype], lambda line: line is not None and line.startswith('{"step": 1,'),
-             memory)
+              str(args.steps), "--dtype", args.dtype, *extra],
+             lambda line: line is not None and line.startswith('{"step": 1,'), memory)
     recs = [json.loads(ln) for ln in r["out"] if ln.startswith('{"')]  # ours; TRL prints dicts too
     steps = [x for x in recs if "step" in x and x["step"] > 1]
     logs = [x["log"] for x in recs if "log" in x and "completions/mean_length" in x["log"]]
     return {"framework": "trl", "s_per_step": statistics.median(x["seconds"] for x in steps),
             "rollout": statistics.median(x["generate"] for x in steps),
             "rest": statistics.median(x["seconds"] - x["generate"] for x in steps),
-            "completion_tokens": [round(x["completions/mean_length"] * 64) for x in logs],
+            "completion_tokens": [round(x["completions/mean_length"] * args.batch) for x in logs],
             "first_step_s": r["first_step_s"], "peak_gb": r["peak_gb"], "peak_pss_gb": r["peak_pss_gb"]}
 
 
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--before", action="append", default=[], metavar="KEY=VALUE",
                     help="also run elasticrl with these overrides (a layout as it was before a change), interleaved")
     args = ap.parse_args()
+    args.batch = 64
     if not TRL_PYTHON.is_file():
         sys.exit("TRL's environment is missing: bash benchmarks/trl_env.sh")
     import torch

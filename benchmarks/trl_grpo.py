@@ -2,7 +2,7 @@
 
 TRL's GRPOTrainer on the model folder and prompts it is given, with the numbers of
 benchmarks/rl_step.yaml: 16 prompts x 4 completions of exactly 128 tokens (no end of
-sequence), KL 0.04 (TRL's k3) to a frozen reference, one AdamW step per 64 completions,
+sequence; ``--tokens`` and ``--batch`` change them for benchmarks/long_cot.py), KL 0.04 (TRL's k3) to a frozen reference, one AdamW step per 64 completions,
 HF generate. Prints one JSON line per step: its seconds, the seconds inside generate, the
 completion tokens, and the time since this process started.
 
@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default="/tmp/trl-grpo")
+    ap.add_argument("--tokens", type=int, default=128, help="completion tokens, exactly (benchmarks/long_cot.py)")
+    ap.add_argument("--batch", type=int, default=64, help="completions a step (4 per prompt), one AdamW step")
     args = ap.parse_args()
     import torch
     from datasets import Dataset
@@ -64,9 +66,9 @@ def main() -> None:
         def on_log(self, _args, state, _control, logs=None, **__):
             print(json.dumps({"log": logs or {}}), flush=True)
 
-    cfg = GRPOConfig(output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=64,
-                     gradient_accumulation_steps=1, num_generations=4, max_completion_length=128,
-                     generation_kwargs={"min_new_tokens": 128}, beta=0.04, learning_rate=1e-6,
+    cfg = GRPOConfig(output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=args.batch,
+                     gradient_accumulation_steps=1, num_generations=4, max_completion_length=args.tokens,
+                     generation_kwargs={"min_new_tokens": args.tokens}, beta=0.04, learning_rate=1e-6,
                      lr_scheduler_type="constant", warmup_steps=0, temperature=1.0, use_cpu=True,
                      bf16=args.dtype == "bf16", gradient_checkpointing=False, shuffle_dataset=False,
                      logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=1234)

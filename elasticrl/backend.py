@@ -95,12 +95,26 @@ def fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+LONG = 512  # tokens from which a CPU's SDPA beats the plain attention (below)
+_longest = [0]  # the longest sequence this process's job trains on (``set_longest``)
+
+
+def set_longest(tokens: int) -> None:
+    """The longest sequence this process's models will see (prompt and generation), which
+    ``attention`` picks the kernel by; set before loading them."""
+    _longest[0] = tokens
+
+
 def attention() -> str | None:
     """transformers' attention kernel for trained and scoring models; None keeps its default
-    (SDPA). On CPUs the plain ('eager') one: a padded forward + backward of 16 x 145 tokens of
-    the 44m world took 2.17 s with it against 2.69 s with SDPA in bf16, 5.3 against 6.1 s in
-    fp32 (2 threads; the backward of masked SDPA is the slow part; docs/benchmarks.md)."""
-    return None if has_gpu() else "eager"
+    (SDPA). On CPUs the plain ('eager') one for short sequences: a padded forward + backward of
+    16 x 145 tokens of the 44m world took 2.17 s with it against 2.69 s with SDPA in bf16, 5.3
+    against 6.1 s in fp32 (2 threads; the backward of masked SDPA is the slow part;
+    docs/benchmarks.md); SDPA from ``LONG`` tokens, where the plain one's scores grow with the
+    square of the length: 16 rows of the 2m world, bf16, one thread, 160 tokens 0.31 s eager
+    against 0.39 SDPA, 528 tokens 2.01 against 1.72 s (1.48 against 0.96 GB), 2,064 tokens 20.2
+    against 12.7 s (8.2 against 2.8 GB)."""
+    return None if has_gpu() or _longest[0] >= LONG else "eager"
 
 
 def set_threads(threads: int) -> None:

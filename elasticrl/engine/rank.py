@@ -27,6 +27,7 @@ from elasticrl.models import load_tokenizer, torch_dtype
 from elasticrl.models.load import load_causal_lm, load_value_model, with_lora
 from elasticrl.parallel import data_parallel_info, tensor_parallel_rank
 from elasticrl.spec import JobSpec
+from elasticrl.spec.algorithms import longest_sequence
 from elasticrl.spec.schema import TrainSpec
 
 
@@ -40,6 +41,7 @@ class TrainRank:
         if init_dist:
             init_distributed(rank, world_size, addr, port, train.comm_timeout_s)
         backend.set_threads(train.threads)
+        backend.set_longest(longest_sequence(spec))  # the attention kernel by length
         torch.manual_seed(spec.seed + rank)
         self.dtype = backend.resolve_dtype(spec.model.dtype)  # the worker's own hardware decides
         if self.dtype == "bf16" and not backend.fast_bf16() and rank == 0:

@@ -81,3 +81,11 @@ ADVANTAGE_ESTIMATORS = {
 def advantage_of(algorithm: str, advantage: str) -> str:
     """The estimator a job uses: ``rl.advantage``, or its algorithm's when 'auto'."""
     return ALGORITHMS[algorithm].advantage if advantage == "auto" else advantage
+
+
+def longest_sequence(spec) -> int:
+    """Tokens of the longest sequence a job's models see: a prompt or example (data.max_length),
+    and for a job that generates, rl.max_new_tokens a turn (rl.max_turns with an environment)."""
+    alg, rl = ALGORITHMS[spec.algorithm], spec.rl
+    turns = rl.max_turns if spec.rollout.environment else 1
+    return spec.data.max_length + (rl.max_new_tokens * turns if alg.rollout else 0)

@@ -25,6 +25,7 @@ from elasticrl.engine.strategy import ds_config, init_distributed
 from elasticrl.models.load import load_causal_lm, load_tokenizer, load_value_model, token_values
 from elasticrl.models.scoring import packed_forward
 from elasticrl.spec import load_spec
+from elasticrl.spec.algorithms import longest_sequence
 from elasticrl.trainers.batch import Experience, rows_reply, widened
 from elasticrl.trainers.worker import TRAINER_IMPORTS, RankWorker
 
@@ -257,6 +258,7 @@ class FrozenWorker:
         self.rank, self.world_size = rank, world_size
         s = self.spec
         backend.set_threads(s.train.threads)
+        backend.set_longest(longest_sequence(s))  # the attention kernel by length
         self.sharded = s.train.zero_stage == 3 and world_size > 1
         dtype = backend.resolve_dtype(s.model.dtype)
         load = load_value_model if self.kind == "reward" else load_causal_lm
