@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_step import ROOT, SPEC, TRL_PYTHON, _elasticrl, _trl  # noqa: E402
+from rl_step import SPEC, TRL_PYTHON, _elasticrl, _trl  # noqa: E402
 
 PROMPTS, SAMPLES = 8, 4
 

@@ -2,7 +2,8 @@
 
 TRL's GRPOTrainer on the model folder and prompts it is given, with the numbers of
 benchmarks/rl_step.yaml: 16 prompts x 4 completions of exactly 128 tokens (no end of
-sequence; ``--tokens`` and ``--batch`` change them for benchmarks/long_cot.py), KL 0.04 (TRL's k3) to a frozen reference, one AdamW step per 64 completions,
+sequence; ``--tokens`` and ``--batch`` change them for benchmarks/long_cot.py), KL 0.04
+(TRL's k3) to a frozen reference, one AdamW step per 64 completions,
 HF generate. Prints one JSON line per step: its seconds, the seconds inside generate, the
 completion tokens, and the time since this process started.
 
