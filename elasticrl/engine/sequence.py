@@ -26,12 +26,16 @@ _SLICED = [False]  # set while a training forward runs on slices
 
 def enable(model, sp_size: int, micro_batch: int):
     """Ulysses attention for ``model``'s kernel, used inside ``sliced`` only; returns the
-    process groups DeepSpeed takes (``deepspeed.initialize(mpu=...)``)."""
+    process groups DeepSpeed takes (``deepspeed.initialize(mpu=...)``). A second model in the
+    process (of the same architecture) takes the groups and the attention already set up."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if model.config._attn_implementation == "eager":  # Ulysses needs a kernel that masks causally by itself
         model.set_attn_implementation("sdpa")
+    if groups._SEQUENCE_PARALLEL_GROUP is not None:
+        return groups
     kernel = model.config._attn_implementation
     whole = ALL_ATTENTION_FUNCTIONS[kernel]
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, kernel, sp_size, micro_batch,
