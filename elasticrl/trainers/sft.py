@@ -54,8 +54,8 @@ class SFTWorker(RankWorker):
         self.engine.train()
         for part in core.split(examples, [len(ids) for ids, _ in examples]):
             weight = 0 if part is None else 1  # None: a token budget's empty micro-batch, computed with no weight
-            ids, trained = zip(*(part or examples[:1]))
             part = part or examples[:1]
+            ids, trained = zip(*part)
             if s.data.packing:  # laid end to end, no padding
                 nll = -response_logps(self.engine, part, self.tokenizer.pad_token_id, True, core.device)[0].sum()
             else:
