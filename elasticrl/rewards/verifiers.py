@@ -16,11 +16,18 @@ from elasticrl.spec.schema import VERIFIERS
 from elasticrl.world.task import is_correct
 
 VERIFIER = "verifier"  # a reward function's path that means the job's verifier
+_INTEGER = re.compile(r"-?\d+")
 
 
 def integer(prompt: str, completion: str, answer) -> float:
     """The tiny arithmetic task's matcher: the completion's first integer is the answer."""
     return float(answer is not None and is_correct(completion, answer))
+
+
+def last_integer(prompt: str, completion: str, answer) -> float:
+    """The completion's last integer is the answer (a worked chain's result)."""
+    found = _INTEGER.findall(completion)
+    return float(answer is not None and bool(found) and int(found[-1]) == int(answer))
 
 
 def math(prompt: str, completion: str, answer) -> float:

@@ -34,7 +34,7 @@ def load_spec(source: str | os.PathLike | dict | None = None, overrides: list[st
         spec = hub.resolve(spec)
     check_rules(spec, check_paths)
     if spec.rewards.verifier == "auto":  # resolved once, so a trainer that swaps the data keeps the user's
-        verifier = "integer" if spec.data.train is None else "math"
+        verifier = "math" if spec.data.train else "last_integer" if spec.world.task == "reasoning" else "integer"
         spec = dataclasses.replace(spec, rewards=dataclasses.replace(spec.rewards, verifier=verifier))
     return spec
 

@@ -24,10 +24,12 @@ def doc(text: str, default=None, *, factory=None, min=None, max=None, exclusive_
 class WorldSpec:
     """The embedded tiny world: model, tokenizer and data the project builds itself."""
 
-    task: Literal["arithmetic", "calculator"] = doc(
-        "Toy task the synthetic data teaches: 'arithmetic', or 'calculator', the same with multiplication up to "
+    task: Literal["arithmetic", "calculator", "reasoning"] = doc(
+        "Toy task the synthetic data teaches: 'arithmetic'; 'calculator', the same with multiplication up to "
         "max_operand (too hard for the tiny model alone) and a calculator tool it learns to call "
-        "(elasticrl.world.calculator; examples/tiny_agent.yaml).", "arithmetic")
+        "(elasticrl.world.calculator; examples/tiny_agent.yaml); 'reasoning', counting up in steps worked line "
+        "by line, answers of hundreds to thousands of tokens (elasticrl.world.reasoning; "
+        "examples/tiny_reasoning.yaml).", "arithmetic")
     model_size: Literal[tuple(PRESETS)] = doc(
         "Preset size of the tiny Llama (parameters).", "2m")
     max_operand: int = doc("Largest operand of the arithmetic problems.", 30, min=1, max=999)
@@ -361,7 +363,7 @@ class ConditionalSpec:
 
 
 # The built-in verifiers (rewards.verifiers implements each by this name).
-VERIFIERS = ("integer", "math", "exact", "regex", "json_schema")
+VERIFIERS = ("integer", "math", "exact", "regex", "json_schema", "last_integer")
 
 
 @dataclass
@@ -395,9 +397,10 @@ class RewardsSpec:
                                         factory=list)
     remote: list[RemoteRewardSpec] = doc("Remote HTTP rewards, summed with their weights.", factory=list)
     verifier: str = doc("What judges an answer right, for the default reward and every accuracy figure: 'integer' "
-                        "(the tiny task's first-integer match), 'math' (math-verify, boxed answers first), 'exact', "
-                        "'regex' (the answer is a pattern), 'json_schema' (the answer is a schema the completion must "
-                        "satisfy), or package.module:function; 'auto': integer on the embedded data, math on yours.",
+                        "(the tiny task's first-integer match), 'last_integer' (a worked chain's last number), 'math' "
+                        "(math-verify, boxed answers first), 'exact', 'regex' (the answer is a pattern), 'json_schema' "
+                        "(the answer is a schema the completion must satisfy), or package.module:function; 'auto': "
+                        "integer on the embedded data (last_integer on its reasoning task), math on yours.",
                         "auto")
     workers: int = doc("Processes the reward functions and the verifier score a batch in, side by side.", 2, min=1)
     timeout_s: float = doc("Seconds one reward-function call may take (it runs in a process of its own; one "

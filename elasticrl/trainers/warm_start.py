@@ -13,6 +13,7 @@ from elasticrl.files import atomic_folder
 from elasticrl.spec import JobSpec, load_spec, spec_to_dict
 from elasticrl.world import world_paths
 from elasticrl.world.build import cache_root, world_key
+from elasticrl.world.reasoning import SFT_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,14 @@ def _small_job(spec: JobSpec, algorithm: str, steps: int, lr: float, model_path:
     """The same job whatever the asking job's layout (one cache entry serves every job of a
     seed, precision and step count): 2 ranks of 32 rows, evaluated by the job that uses it."""
     dp, mbs = 2, 32
+    data, budget = {}, {}
+    if spec.world.task == "reasoning":  # chains of up to SFT_LENGTH tokens, cut by tokens (their lengths spread 10x)
+        data, budget = {"max_length": SFT_LENGTH}, {"max_tokens_per_micro_batch": 16 * SFT_LENGTH}
     return load_spec({"algorithm": algorithm, "seed": spec.seed, "world": dataclasses.asdict(spec.world),
-                      "model": {"dtype": spec.model.dtype, "path": model_path},
+                      "model": {"dtype": spec.model.dtype, "path": model_path}, "data": data,
                       "train": {"num_ranks": dp, "zero_stage": 2, "micro_batch_size": mbs,
                                 "global_batch_size": mbs * dp,
-                                "max_steps": steps, "lr": lr, "warmup_ratio": 0.05, "min_lr_ratio": 0.05},
+                                "max_steps": steps, "lr": lr, "warmup_ratio": 0.05, "min_lr_ratio": 0.05, **budget},
                       "eval": {"enabled": False}, "checkpoint": {"resume": None},
                       "log": {"progress_bar": spec.log.progress_bar, "every_steps": 10}})
 

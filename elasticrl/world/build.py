@@ -57,6 +57,10 @@ def _build_into(world: WorldSpec, out: Path) -> None:
         from elasticrl.world.calculator import with_calculator
 
         records = with_calculator(records, world.tool_demos, world.seed)
+    if world.task == "reasoning":
+        from elasticrl.world import reasoning
+
+        records.update(reasoning.make_records(world.num_train, world.num_eval, world.seed))
     (out / "data").mkdir()
     for name in DATASETS:
         with open(out / "data" / f"{name}.jsonl", "w") as fh:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticrl.rewards.verifiers import exact, integer, json_schema, regex
+from elasticrl.rewards.verifiers import exact, integer, json_schema, last_integer, regex
+from elasticrl.spec import load_spec
 
 
 def test_exact_compares_the_stripped_texts_and_nothing_else():
@@ -39,3 +40,15 @@ def test_json_schema_validates_the_completion_against_the_answer(completion, rig
 def test_integer_takes_the_first_integer_of_the_completion():
     assert integer("17+5=", "22", "22") == 1.0 and integer("17+5=", "22 or 23", "22") == 1.0
     assert integer("17+5=", "23 not 22", "22") == 0.0
+
+
+def test_last_integer_takes_the_chain_s_last_number():
+    chain = "980+13=993\n993+13=1006"
+    assert last_integer("980+13...>999=", chain, "1006") == 1.0 and last_integer("q", chain, 1006) == 1.0
+    assert last_integer("q", chain + "\n1006+13=1019", "1006") == 0.0   # counted past the answer
+    assert last_integer("q", "980+13=993", "1006") == 0.0                # stopped short
+    assert last_integer("q", "no number", "1006") == 0.0 and last_integer("q", chain, None) == 0.0
+    # the reasoning world's jobs judge by it unless told otherwise
+    assert load_spec({"world": {"task": "reasoning"}}, check_paths=False).rewards.verifier == "last_integer"
+    assert load_spec({"world": {"task": "reasoning"}, "rewards": {"verifier": "exact"}},
+                     check_paths=False).rewards.verifier == "exact"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elasticrl.spec.schema import WorldSpec
-from elasticrl.world import content_hash, world_dir
+from elasticrl.world import content_hash, reasoning, world_dir
 from elasticrl.world.calculator import calc, parse_calls, with_calculator
 from elasticrl.world.model import PRESETS, tiny_config
 from elasticrl.world.task import enumerate_problems, is_correct, make_records, parse_answer, split_problems
@@ -152,3 +152,24 @@ def test_the_calculator_worlds_sft_rows_call_it_in_their_share():
     # multiplication past the arithmetic world's 12 x 12, held out as there
     assert max(int(r["prompt"].split("*")[0]) for r in records["eval"]) > 12
     assert not {r["prompt"] for r in records["eval"]} & {r["prompt"] for r in records["rl_prompts"]}
+
+
+def test_reasoning_chains_are_worked_right_and_held_out_problems_untrained():
+    rec = reasoning.make_records(2000, 100, seed=0)
+
+    def lines_of(row):  # checks the worked chain line by line; its line count
+        start, step, distance = map(int, row["prompt"][:-1].replace("...>", "+").split("+"))
+        *chain, last = (row.get("response") or reasoning.solution(start, step, distance)).split("\n")
+        for i, line in enumerate(chain, 1):  # value and distance left after i steps, three digits or -0d
+            left = distance - i * step
+            assert line == f"{start + (i - 1) * step:03d}+{step}={start + i * step:03d} " + (
+                f"{left:03d}" if left >= 0 else f"-0{-left}") and (left < 0) == (i == len(chain))
+        assert int(last) == start + len(chain) * step == reasoning.answer(start, step, distance) < 1000
+        assert int(row.get("answer", last)) == int(last)
+        return len(chain)
+
+    sft, rl = [lines_of(r) for r in rec["sft"]], [lines_of(r) for r in rec["rl_prompts"] + rec["eval"]]
+    assert max(sft) == reasoning.SFT_LINES and max(rl) == reasoning.MAX_LINES
+    assert sum(n > max(sft) for n in rl) > len(rl) / 3  # RL's chains outgrow the warm start's
+    assert max(len(r["prompt"]) + len(r["response"]) for r in rec["sft"]) + 4 <= reasoning.SFT_LENGTH
+    assert not {r["prompt"] for r in rec["eval"]} & {r["prompt"] for r in rec["sft"] + rec["rl_prompts"]}
